@@ -1,0 +1,360 @@
+"""The COO format: a sparse (rows x cols) matrix stored as its non-zero connections only.
+
+`COO` holds `indices` (int32, shape (2, nnz): [0] row, [1] column), `values` (nnz,) and the
+shape. It is always canonical: sorted row-major (by row, then column), no coordinate twice,
+every index in range. Topology metadata (row pointers, the permutation that sorts by column,
+column pointers) is computed on first use and cached on a `Topology` object shared by every
+COO with the same indices, so it is rebuilt only when the connection pattern changes.
+
+Trade-off: indices are int32 (half the bytes of torch's int64 COO) which caps each dimension
+at 2**31 - 1; validation costs a sort and a pass over the indices, so hot paths construct
+with `check=False` from indices that are already canonical.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+__all__ = ["COO", "Topology", "validate_coo", "canonicalize", "INDEX_DTYPE"]
+
+INDEX_DTYPE = torch.int32
+_MAX_DIM = 2**31 - 1
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_shape(shape) -> Tuple[int, int]:
+    if isinstance(shape, torch.Size):
+        shape = tuple(shape)
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2:
+        raise ValueError(f"shape must be a pair (rows, cols), got {shape!r}")
+    out = []
+    for name, s in zip(("rows", "cols"), shape):
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"shape[{name}] must be an int, got {type(s).__name__}")
+        s = int(s)
+        if s < 0 or s > _MAX_DIM:
+            raise ValueError(f"shape[{name}] must be in [0, 2**31 - 1], got {s}")
+        out.append(s)
+    return out[0], out[1]
+
+
+def validate_coo(indices: torch.Tensor, values: Optional[torch.Tensor], shape) -> Tuple[int, int]:
+    """Checks indices/values/shape and raises ValueError/TypeError naming what is wrong.
+
+    indices: (2, nnz) integer tensor; values: (nnz,) floating tensor on the same device (or None).
+    Duplicates are not checked here (that needs a sort): see `canonicalize`.
+    Returns the shape as a pair of ints.
+    """
+    rows, cols = _check_shape(shape)
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
+        raise TypeError(f"indices must have an integer dtype (int32 or int64), got {indices.dtype}")
+    if indices.dim() != 2 or indices.shape[0] != 2:
+        raise ValueError(f"indices must have shape (2, nnz), got {tuple(indices.shape)}")
+    nnz = indices.shape[1]
+    if values is not None:
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if values.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"values must be a floating tensor (float16/bfloat16/float32/float64), got {values.dtype}")
+        if values.dim() != 1 or values.shape[0] != nnz:
+            raise ValueError(f"values must have shape ({nnz},) to match indices (2, {nnz}), got {tuple(values.shape)}")
+        if values.device != indices.device:
+            raise ValueError(f"values is on {values.device} but indices is on {indices.device}")
+    if nnz > 0:
+        mins = indices.min(dim=1).values
+        maxs = indices.max(dim=1).values
+        lo_r, lo_c, hi_r, hi_c = (int(v) for v in torch.stack([mins, maxs]).flatten().cpu())
+        if lo_r < 0 or hi_r >= rows:
+            raise ValueError(f"indices[0] (rows) must lie in [0, {rows}), got values in [{lo_r}, {hi_r}]")
+        if lo_c < 0 or hi_c >= cols:
+            raise ValueError(f"indices[1] (columns) must lie in [0, {cols}), got values in [{lo_c}, {hi_c}]")
+    if nnz > _MAX_DIM:
+        raise ValueError(f"nnz must be below 2**31, got {nnz}")
+    return rows, cols
+
+
+def canonicalize(indices: torch.Tensor, shape, values: Optional[torch.Tensor] = None):
+    """Sorts (indices, values) row-major; raises ValueError on a duplicated coordinate.
+
+    Returns (indices int32 (2, nnz), values or None, already_sorted: bool).
+    """
+    rows, cols = _check_shape(shape)
+    idx64 = indices.to(torch.int64)
+    key = idx64[0] * max(cols, 1) + idx64[1]
+    if key.numel() > 1 and bool((key[1:] > key[:-1]).all()):
+        return indices.to(INDEX_DTYPE).contiguous(), values, True
+    key_sorted, order = torch.sort(key, stable=True)
+    if key_sorted.numel() > 1:
+        dup = key_sorted[1:] == key_sorted[:-1]
+        if bool(dup.any()):
+            first = int(key_sorted[1:][dup][0])
+            ndup = int(dup.sum())
+            raise ValueError(
+                f"indices holds {ndup} duplicated coordinate(s), e.g. (row {first // max(cols, 1)}, "
+                f"column {first % max(cols, 1)}); each connection must appear once (duplicates are not summed)")
+    new_idx = idx64[:, order].to(INDEX_DTYPE).contiguous()
+    new_val = values[order].contiguous() if values is not None else None
+    return new_idx, new_val, False
+
+
+class Topology:
+    """The connection pattern of a COO matrix and its cached metadata.
+
+    indices: int32 (2, nnz), row-major sorted, unique. Metadata is built lazily:
+      row_ptr   int32 (rows + 1,)  CSR row pointers into the row-major order
+      col_perm  int64 (nnz,)       positions of the entries in column-major order
+      col_ptr   int32 (cols + 1,)  CSC column pointers into the column-major order
+      rows_by_col int32 (nnz,)     row index of each entry in column-major order
+    Backends may store their own derived arrays in `cache` (keyed by name).
+    """
+
+    __slots__ = ("indices", "shape", "cache")
+
+    def __init__(self, indices: torch.Tensor, shape: Tuple[int, int]):
+        self.indices = indices
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.cache = {}
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.indices.device
+
+    def _get(self, name, build):
+        v = self.cache.get(name)
+        if v is None:
+            v = build()
+            self.cache[name] = v
+        return v
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.indices[0]
+
+    @property
+    def cols(self) -> torch.Tensor:
+        return self.indices[1]
+
+    @property
+    def row_ptr(self) -> torch.Tensor:
+        def build():
+            counts = torch.bincount(self.indices[0].to(torch.int64), minlength=self.shape[0])
+            ptr = torch.zeros(self.shape[0] + 1, dtype=torch.int64, device=self.device)
+            torch.cumsum(counts, 0, out=ptr[1:])
+            return ptr.to(INDEX_DTYPE)
+        return self._get("row_ptr", build)
+
+    @property
+    def col_perm(self) -> torch.Tensor:
+        def build():
+            idx = self.indices.to(torch.int64)
+            key = idx[1] * max(self.shape[0], 1) + idx[0]
+            return torch.argsort(key, stable=True)
+        return self._get("col_perm", build)
+
+    @property
+    def col_ptr(self) -> torch.Tensor:
+        def build():
+            counts = torch.bincount(self.indices[1].to(torch.int64), minlength=self.shape[1])
+            ptr = torch.zeros(self.shape[1] + 1, dtype=torch.int64, device=self.device)
+            torch.cumsum(counts, 0, out=ptr[1:])
+            return ptr.to(INDEX_DTYPE)
+        return self._get("col_ptr", build)
+
+    @property
+    def rows_by_col(self) -> torch.Tensor:
+        return self._get("rows_by_col", lambda: self.indices[0][self.col_perm].contiguous())
+
+    @property
+    def cols_by_col(self) -> torch.Tensor:
+        return self._get("cols_by_col", lambda: self.indices[1][self.col_perm].contiguous())
+
+    def to(self, device) -> "Topology":
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return Topology(self.indices.to(device), self.shape)
+
+
+class COO:
+    """A sparse matrix of shape (rows, cols) stored as (indices, values), canonical row-major.
+
+    Args:
+        indices: integer tensor (2, nnz); [0] row, [1] column. Any order; stored sorted as int32.
+        values:  floating tensor (nnz,) on the same device, matching `indices` entry for entry.
+        shape:   (rows, cols).
+        check:   validate dtype/shape/range/duplicates and sort (default). Pass False only for
+                 indices known to be canonical int32 (a hot path); nothing is checked then.
+    Raises ValueError/TypeError naming the argument for a bad shape, dtype, device, an index out
+    of range or a duplicated coordinate.
+    """
+
+    __slots__ = ("topology", "values")
+
+    def __init__(self, indices: torch.Tensor, values: torch.Tensor, shape, *, check: bool = True,
+                 topology: Optional[Topology] = None):
+        if topology is not None:
+            self.topology = topology
+            self.values = values
+            if check:
+                validate_coo(topology.indices, values, topology.shape)
+            return
+        if check:
+            shape = validate_coo(indices, values, shape)
+            indices, values, _ = canonicalize(indices, shape, values)
+        self.topology = Topology(indices, shape)
+        self.values = values
+
+    # ---- basic properties ----------------------------------------------------------------
+    @property
+    def indices(self) -> torch.Tensor:
+        return self.topology.indices
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return self.topology.shape
+
+    @property
+    def nnz(self) -> int:
+        return self.topology.nnz
+
+    @property
+    def density(self) -> float:
+        n = self.shape[0] * self.shape[1]
+        return self.nnz / n if n else 0.0
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.density
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    def __repr__(self) -> str:
+        return (f"COO(shape={self.shape}, nnz={self.nnz}, sparsity={self.sparsity:.4f}, "
+                f"dtype={self.dtype}, device={self.device})")
+
+    def with_values(self, values: torch.Tensor) -> "COO":
+        """A COO with the same topology (and cached metadata) and new values (nnz,)."""
+        if values.shape != (self.nnz,):
+            raise ValueError(f"values must have shape ({self.nnz},), got {tuple(values.shape)}")
+        return COO(None, values, None, check=False, topology=self.topology)
+
+    def to(self, device=None, dtype=None) -> "COO":
+        topo = self.topology.to(device) if device is not None else self.topology
+        vals = self.values.to(device=device if device is not None else self.values.device,
+                              dtype=dtype if dtype is not None else self.values.dtype)
+        return COO(None, vals, None, check=False, topology=topo)
+
+    # ---- conversions ---------------------------------------------------------------------
+    @classmethod
+    def from_dense(cls, dense: torch.Tensor, mask: Optional[torch.Tensor] = None) -> "COO":
+        """Keeps the entries where `mask` is true (default: where `dense` is non-zero)."""
+        if not isinstance(dense, torch.Tensor):
+            raise TypeError(f"dense must be a torch.Tensor, got {type(dense).__name__}")
+        if dense.dim() != 2:
+            raise ValueError(f"dense must be 2-D, got shape {tuple(dense.shape)}")
+        if mask is None:
+            mask = dense != 0
+        else:
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+            if mask.shape != dense.shape:
+                raise ValueError(f"mask must have the shape of dense {tuple(dense.shape)}, got {tuple(mask.shape)}")
+            mask = mask.to(device=dense.device, dtype=torch.bool)
+        idx = mask.nonzero().t().contiguous()  # row-major order already
+        vals = dense[mask].contiguous()
+        return cls(idx.to(INDEX_DTYPE), vals, tuple(dense.shape), check=False)
+
+    def to_dense(self) -> torch.Tensor:
+        """The (rows, cols) dense matrix. For tests and export: allocates rows x cols."""
+        out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        if self.nnz:
+            idx = self.indices.to(torch.int64)
+            out[idx[0], idx[1]] = self.values
+        return out
+
+    @classmethod
+    def from_scipy(cls, mat, *, dtype: torch.dtype = torch.float32, device=None) -> "COO":
+        """From any scipy.sparse matrix/array. Duplicated entries raise ValueError."""
+        import scipy.sparse as sp
+        if not sp.issparse(mat):
+            raise TypeError(f"mat must be a scipy.sparse matrix or array, got {type(mat).__name__}")
+        m = mat.tocoo()
+        idx = torch.from_numpy(np.stack([m.row, m.col]).astype(np.int64))
+        vals = torch.from_numpy(np.asarray(m.data)).to(dtype)
+        coo = cls(idx, vals, m.shape)
+        return coo.to(device) if device is not None else coo
+
+    def to_scipy(self, format: str = "coo"):
+        """A scipy.sparse array ('coo' or 'csr') in float64 for float16/bfloat16 values."""
+        import scipy.sparse as sp
+        idx = self.indices.cpu().numpy()
+        v = self.values.detach().cpu()
+        if v.dtype in (torch.float16, torch.bfloat16):
+            v = v.to(torch.float64)
+        m = sp.coo_array((v.numpy(), (idx[0], idx[1])), shape=self.shape)
+        if format == "coo":
+            return m
+        if format == "csr":
+            return m.tocsr()
+        raise ValueError(f"format must be 'coo' or 'csr', got {format!r}")
+
+    @classmethod
+    def from_torch_sparse(cls, t: torch.Tensor) -> "COO":
+        """From a torch sparse COO or CSR tensor. An uncoalesced COO with duplicates raises."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"t must be 2-D, got shape {tuple(t.shape)}")
+        if t.layout == torch.sparse_coo:
+            return cls(t._indices(), t._values(), tuple(t.shape))
+        if t.layout == torch.sparse_csr:
+            crow, col = t.crow_indices(), t.col_indices()
+            counts = (crow[1:] - crow[:-1]).to(torch.int64)
+            row = torch.repeat_interleave(torch.arange(t.shape[0], device=t.device), counts)
+            return cls(torch.stack([row, col.to(torch.int64)]), t.values(), tuple(t.shape))
+        raise ValueError(f"t must have layout sparse_coo or sparse_csr, got {t.layout}")
+
+    def to_torch_sparse(self, layout=torch.sparse_coo) -> torch.Tensor:
+        """A torch sparse tensor (sparse_coo, coalesced, or sparse_csr) with the same entries."""
+        if layout == torch.sparse_coo:
+            return torch.sparse_coo_tensor(self.indices.to(torch.int64), self.values, self.shape,
+                                           is_coalesced=True)
+        if layout == torch.sparse_csr:
+            return torch.sparse_csr_tensor(self.topology.row_ptr.to(torch.int64),
+                                           self.indices[1].to(torch.int64), self.values, self.shape)
+        raise ValueError(f"layout must be torch.sparse_coo or torch.sparse_csr, got {layout}")
+
+    # ---- random topologies ---------------------------------------------------------------
+    @classmethod
+    def random(cls, shape, *, density: Optional[float] = None, nnz: Optional[int] = None,
+               seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+               device=None, dtype=torch.float32, init: str = "normal") -> "COO":
+        """A uniformly random pattern with exactly `nnz` (or round(density * rows * cols))
+        entries, built without a dense matrix; values ~ N(0, 1) ('normal') or ones ('ones')."""
+        from .topology import uniform_indices
+        rows, cols = _check_shape(shape)
+        g = generator if generator is not None else torch.Generator().manual_seed(
+            seed if seed is not None else int(torch.seed() % (2**63)))
+        idx = uniform_indices((rows, cols), density=density, nnz=nnz, generator=g)
+        if init == "normal":
+            vals = torch.randn(idx.shape[1], generator=g, dtype=torch.float64).to(dtype)
+        elif init == "ones":
+            vals = torch.ones(idx.shape[1], dtype=dtype)
+        else:
+            raise ValueError(f"init must be 'normal' or 'ones', got {init!r}")
+        coo = cls(idx, vals, (rows, cols), check=False)
+        return coo.to(device) if device is not None else coo

@@ -1,0 +1,99 @@
+"""Random sparse topologies and per-layer densities, built without a dense matrix.
+
+- `uniform_indices`: exactly `nnz` distinct coordinates drawn uniformly, by rejection sampling
+  of flat keys (memory O(nnz), not O(rows * cols)), sorted row-major, int32.
+- `erdos_renyi_density`: SET's Erdos-Renyi density eps * (rows + cols) / (rows * cols).
+- `erk_densities`: per-layer densities for a global sparsity, RigL's ERK rule: each layer's
+  density proportional to (rows + cols) / (rows * cols), layers that would exceed 1 kept dense
+  and the scale solved again for the rest, so that the total number of connections matches.
+Trade-off: rejection sampling needs a few passes when density is high; above 0.5 it samples the
+complement instead and touches O(rows * cols) int64 keys, the same order as the nnz it returns.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["uniform_indices", "erdos_renyi_density", "erk_densities", "density_to_nnz"]
+
+
+def density_to_nnz(shape: Tuple[int, int], density: Optional[float] = None,
+                   nnz: Optional[int] = None) -> int:
+    """The exact number of connections for `density` (or a given `nnz`) of a (rows, cols) matrix."""
+    rows, cols = shape
+    n = rows * cols
+    if (density is None) == (nnz is None):
+        raise ValueError("give exactly one of density or nnz")
+    if nnz is None:
+        if not isinstance(density, (int, float)) or math.isnan(density) or not 0.0 <= density <= 1.0:
+            raise ValueError(f"density must be a number in [0, 1], got {density!r}")
+        nnz = int(round(density * n))
+    if isinstance(nnz, bool) or not isinstance(nnz, int):
+        raise TypeError(f"nnz must be an int, got {type(nnz).__name__}")
+    if not 0 <= nnz <= n:
+        raise ValueError(f"nnz must be in [0, rows * cols = {n}], got {nnz}")
+    return nnz
+
+
+def _sample_unique_keys(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """k distinct int64 keys uniform in [0, n), sorted. Expects k <= n / 2."""
+    keys = torch.empty(0, dtype=torch.int64)
+    while keys.numel() < k:
+        need = k - keys.numel()
+        draw = torch.randint(0, n, (int(need * 1.1) + 16,), generator=g, dtype=torch.int64)
+        keys = torch.unique(torch.cat([keys, draw]))
+    if keys.numel() > k:  # drop a uniformly random surplus
+        keep = torch.randperm(keys.numel(), generator=g)[:k]
+        keys = torch.sort(keys[keep]).values
+    return keys
+
+
+def uniform_indices(shape: Tuple[int, int], *, density: Optional[float] = None,
+                    nnz: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                    seed: Optional[int] = None) -> torch.Tensor:
+    """int32 (2, nnz) indices, row-major sorted, distinct, uniform over all coordinates (CPU)."""
+    rows, cols = int(shape[0]), int(shape[1])
+    k = density_to_nnz((rows, cols), density, nnz)
+    g = generator if generator is not None else torch.Generator().manual_seed(
+        seed if seed is not None else int(torch.seed() % (2**63)))
+    n = rows * cols
+    if k == 0:
+        return torch.empty(2, 0, dtype=torch.int32)
+    if k <= n // 2:
+        keys = _sample_unique_keys(n, k, g)
+    else:
+        drop = _sample_unique_keys(n, n - k, g) if n - k > 0 else torch.empty(0, dtype=torch.int64)
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[drop] = False
+        keys = keep.nonzero().flatten()
+    return torch.stack([keys // cols, keys % cols]).to(torch.int32).contiguous()
+
+
+def erdos_renyi_density(shape: Tuple[int, int], epsilon: float = 20.0) -> float:
+    """SET's Erdos-Renyi density eps * (rows + cols) / (rows * cols), capped at 1."""
+    rows, cols = shape
+    if epsilon <= 0:
+        raise ValueError(f"epsilon must be positive, got {epsilon}")
+    return min(1.0, epsilon * (rows + cols) / (rows * cols))
+
+
+def erk_densities(shapes: Sequence[Tuple[int, int]], sparsity: float) -> List[float]:
+    """Per-layer densities so that sum(density_i * n_i) = (1 - sparsity) * sum(n_i), with density_i
+    proportional to (rows_i + cols_i) / (rows_i * cols_i) and at most 1 (RigL's ERK rule)."""
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    sizes = [r * c for r, c in shapes]
+    raw = [(r + c) / (r * c) for r, c in shapes]
+    dense = set()
+    total_keep = (1.0 - sparsity) * sum(sizes)
+    while True:
+        budget = total_keep - sum(sizes[i] for i in dense)
+        denom = sum(raw[i] * sizes[i] for i in range(len(shapes)) if i not in dense)
+        eps = budget / denom if denom > 0 else 0.0
+        over = [i for i in range(len(shapes)) if i not in dense and eps * raw[i] > 1.0]
+        if not over:
+            break
+        dense.add(max(over, key=lambda i: raw[i]))
+    return [1.0 if i in dense else eps * raw[i] for i in range(len(shapes))]
