@@ -1,0 +1,10 @@
+"""snack.layers: autograd Functions, SparseLinear, sparsify(model), backend dispatch (and
+dynamic sparse training in snack.layers.dst when present). Imports without a GPU: the CUDA
+backend is loaded on the first call with a CUDA tensor."""
+from . import backend, functional
+from .functional import sparse_linear, SparseLinearFunction
+from .linear import SparseLinear
+from .sparsify import sparsify, SparsifySummary, LayerRow
+
+__all__ = ["backend", "functional", "sparse_linear", "SparseLinearFunction", "SparseLinear",
+           "sparsify", "SparsifySummary", "LayerRow"]

@@ -3,8 +3,31 @@
 Weights are stored as COO (row, column, value) for their non-zero connections only; forward,
 backward and topology changes run on that form (Numba CUDA kernels on the GPU, a compiled CPU
 backend otherwise).
+
+    snack.SparseLinear, snack.sparsify, snack.functional.sparse_linear, snack.COO
+    snack.dst.SET / snack.dst.RigL (dynamic sparse training, when installed)
+`snack.functional` and `snack.dst` are aliases of `snack.layers.functional` / `snack.layers.dst`,
+so `import snack.functional` works too.
 """
+import importlib as _importlib
+import sys as _sys
+
 from snack.core import COO
+from snack.layers import functional
+from snack.layers.linear import SparseLinear
+from snack.layers.sparsify import sparsify
+
+_sys.modules.setdefault(__name__ + ".functional", functional)
+
+try:
+    dst = _importlib.import_module("snack.layers.dst")
+except ModuleNotFoundError as _e:  # layers/dst.py not there (yet)
+    if _e.name != "snack.layers.dst":
+        raise
+else:
+    _sys.modules.setdefault(__name__ + ".dst", dst)
 
 __version__ = "0.1.0"
-__all__ = ["COO", "__version__"]
+__all__ = ["COO", "SparseLinear", "sparsify", "functional", "__version__"]
+if "dst" in globals():
+    __all__.append("dst")

@@ -1,0 +1,215 @@
+"""Backend dispatch for the three sparse ops, and the topology cache of the layers.
+
+    spmm(x, topo, values, out=None)    x (B, in) contiguous  -> Y (B, out) = X W^T
+    spmm_t(dy, topo, values, out=None) dy (B, out) contiguous -> dX (B, in) = dY W
+    sddmm(dy, x, topo, out=None)       -> dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
+
+with W = topo.shape = (out, in) a canonical row-major `snack.core.Topology` and values (nnz,).
+CUDA tensors go to `snack.gpu` (Numba CUDA kernels on torch's current stream), CPU tensors to
+`snack.core.cpu`; both are imported on first use. A backend that is missing (not installed
+yet, no usable GPU) or that declares `supports(dtype) == False` (e.g. float64) is replaced by
+`snack.core.reference`, plain torch index ops that run on any device and dtype but allocate
+(B, nnz) temporaries; `backend_name()` says which one a call would use.
+
+`get_topology(indices, shape)` builds a Topology once and caches it on the indices tensor,
+keyed (weakly, by identity) by the tensor and checked against its version counter, storage pointer and the shape: validation (range,
+duplicates, row-major order: one sort and a host sync) happens only when the indices change,
+so a steady-state call costs a few attribute reads and no device work, which keeps it usable
+inside `torch.cuda.graph` capture (build the topology with one call before capturing).
+Trade-off: an in-place change of the indices that bypasses the version counter (writing
+through `.data` or from outside torch) is not seen; change indices with ordinary in-place ops.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from types import SimpleNamespace
+from typing import Optional, Tuple
+
+import torch
+
+from snack.core import Topology, canonicalize, validate_coo, INDEX_DTYPE
+from snack.core.reference import spmm_reference, spmm_t_reference, sddmm_reference
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["spmm", "spmm_t", "sddmm", "get_topology", "backend_name", "force_backend"]
+
+# indices tensor (by identity, weakly) -> (key, Topology). Kept off the tensor's own __dict__ so
+# that pickling a module (torch.save(model)) never drags backend caches along.
+_TOPOLOGIES = WeakIdKeyDictionary()
+
+
+# ---- topology cache --------------------------------------------------------------------------
+def _version_of(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors carry no version counter
+        return -1
+
+
+def get_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
+    """The cached `Topology` of `indices` for a weight of shape (out, in).
+
+    indices: integer tensor (2, nnz) on the device of the computation, canonical row-major
+    ([0] row = output index, [1] column = input index, sorted by row then column, each
+    coordinate once). It is validated when the topology is (re)built, i.e. on first use and
+    after every in-place change of `indices`: a bad dtype or shape raises TypeError/ValueError,
+    an index out of [0, out) x [0, in) or a duplicated coordinate raises ValueError, and
+    indices that are not sorted raise ValueError (sort them once with
+    `idx, vals, _ = snack.core.canonicalize(indices, shape, values)`).
+    int64 indices are accepted and converted once to int32 (the copy is cached).
+    """
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    shape = (int(shape[0]), int(shape[1]))
+    key = (_version_of(indices), indices.data_ptr(), shape)
+    cached = _TOPOLOGIES.get(indices)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    topo = _build_topology(indices, shape)
+    _TOPOLOGIES[indices] = (key, topo)
+    return topo
+
+
+def _build_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
+    validate_coo(indices, None, shape)
+    nnz = indices.shape[1]
+    if nnz <= 1:
+        idx32 = indices.to(INDEX_DTYPE).contiguous()
+    else:
+        idx32, _, already_sorted = canonicalize(indices, shape)  # raises on duplicates
+        if not already_sorted:
+            raise ValueError(
+                f"indices (2, {nnz}) for a weight of shape {shape} are not in canonical row-major "
+                "order (sorted by row, then column); sort them once with "
+                "`indices, values, _ = snack.core.canonicalize(indices, shape, values)` and keep "
+                "values in the same order")
+    if idx32 is indices:
+        # an alias, not the tensor itself: the cache entry must not keep `indices` alive
+        idx32 = indices.detach()
+    return Topology(idx32, shape)
+
+
+def invalidate_topology(indices: torch.Tensor) -> None:
+    """Drops the cached topology of `indices` (after a change the version counter misses)."""
+    _TOPOLOGIES.pop(indices, None)
+
+
+# ---- backends ---------------------------------------------------------------------------------
+def _ref_spmm(x, topo, values, out=None):
+    y = spmm_reference(x, topo.indices, values, topo.shape[0])
+    return out.copy_(y) if out is not None else y
+
+
+def _ref_spmm_t(dy, topo, values, out=None):
+    dx = spmm_t_reference(dy, topo.indices, values, topo.shape[1])
+    return out.copy_(dx) if out is not None else dx
+
+
+def _ref_sddmm(dy, x, topo, out=None):
+    dv = sddmm_reference(dy, x, topo.indices)
+    return out.copy_(dv) if out is not None else dv
+
+
+_REFERENCE = SimpleNamespace(name="reference", spmm=_ref_spmm, spmm_t=_ref_spmm_t, sddmm=_ref_sddmm,
+                             supports=lambda dtype: True)
+_loaded = {}          # device type -> backend namespace, or _REFERENCE
+_forced: Optional[str] = None
+_warned = set()
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+def _wrap(mod, name):
+    supports = getattr(mod, "supports", None)
+    return SimpleNamespace(name=name, spmm=mod.spmm, spmm_t=mod.spmm_t, sddmm=mod.sddmm,
+                           supports=supports if callable(supports) else (lambda dtype: True))
+
+
+def _load(device_type: str):
+    b = _loaded.get(device_type)
+    if b is not None:
+        return b
+    if device_type == "cuda":
+        mod = importlib.import_module("snack.gpu")  # lazy: numba.cuda is slow to import
+        ok = all(hasattr(mod, f) for f in ("spmm", "spmm_t", "sddmm"))
+        avail = getattr(mod, "is_available", None)
+        if ok and (avail is None or avail()):
+            b = _wrap(mod, "gpu")
+        else:
+            _warn_once("cuda", "snack.gpu kernels are not usable here; CUDA tensors fall back to "
+                               "snack.core.reference (slow, allocates (B, nnz) temporaries)")
+            b = _REFERENCE
+    elif device_type == "cpu":
+        try:
+            mod = importlib.import_module("snack.core.cpu")
+        except ModuleNotFoundError as e:
+            if e.name not in ("snack.core.cpu",):
+                raise
+            b = _REFERENCE
+        else:
+            b = _wrap(mod, "cpu")
+    else:
+        b = _REFERENCE
+    _loaded[device_type] = b
+    return b
+
+
+def _backend(t: torch.Tensor):
+    if _forced == "reference":
+        return _REFERENCE
+    b = _load(t.device.type)
+    if b is not _REFERENCE and not b.supports(t.dtype):
+        return _REFERENCE
+    return b
+
+
+def backend_name(device="cpu", dtype: torch.dtype = torch.float32) -> str:
+    """'gpu', 'cpu' or 'reference': the backend a call on (device, dtype) would use."""
+    if _forced == "reference":
+        return "reference"
+    b = _load(torch.device(device).type)
+    return b.name if b.supports(dtype) else "reference"
+
+
+@contextlib.contextmanager
+def force_backend(name: str):
+    """Within the block every op uses backend `name`: 'reference' or 'auto' (the default)."""
+    global _forced
+    if name not in ("reference", "auto"):
+        raise ValueError(f"name must be 'reference' or 'auto', got {name!r}")
+    prev, _forced = _forced, (None if name == "auto" else name)
+    try:
+        yield
+    finally:
+        _forced = prev
+
+
+# ---- the three ops -------------------------------------------------------------------------------
+def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None):
+    """Y (B, out) = X W^T for x (B, in) contiguous; values (nnz,) of x's dtype and device."""
+    if topo.nnz == 0 or x.shape[0] == 0 or x.shape[1] == 0:
+        y = out if out is not None else x.new_empty(x.shape[0], topo.shape[0])
+        return y.zero_()
+    return _backend(x).spmm(x, topo, values, out=out)
+
+
+def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None):
+    """dX (B, in) = dY W for dy (B, out) contiguous."""
+    if topo.nnz == 0 or dy.shape[0] == 0 or dy.shape[1] == 0:
+        dx = out if out is not None else dy.new_empty(dy.shape[0], topo.shape[1])
+        return dx.zero_()
+    return _backend(dy).spmm_t(dy, topo, values, out=out)
+
+
+def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch.Tensor] = None):
+    """dv (nnz,) with dv_k = sum_b dY[b, r_k] X[b, c_k]; dy (B, out), x (B, in) contiguous."""
+    if topo.nnz == 0 or dy.shape[0] == 0:
+        dv = out if out is not None else dy.new_empty(topo.nnz)
+        return dv.zero_()
+    return _backend(dy).sddmm(dy, x, topo, out=out)

@@ -1,0 +1,149 @@
+"""sparse_linear: Y = X W^T + b with W a COO matrix, differentiable in x, values and bias.
+
+The autograd Function builds every gradient from the same three backend ops:
+    forward   Y  = spmm(X, W) + b
+    backward  dX = spmm_t(dY, W)      dv = sddmm(dY, X, W)      db = sum_b dY
+so nothing of the dense weight's size (out x in) is allocated, in forward or in backward.
+Inputs of any leading shape are flattened to (B, in) (a copy only if they are not contiguous).
+Under torch.autocast the inputs are cast like nn.Linear's: to the autocast dtype (fp16/bf16) on
+CUDA; on CPU the math runs in float32 and the result is returned in the autocast dtype.
+Trade-off: the topology's validation happens when it is (re)built (see backend.get_topology),
+so a call with unchanged indices does no device work beyond the kernels and is CUDA-graph
+capturable; indices must therefore already be canonical row-major.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import backend
+from snack.core import Topology
+
+__all__ = ["sparse_linear", "SparseLinearFunction"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class SparseLinearFunction(torch.autograd.Function):
+    """Y (B, out) = X W^T + b for x (B, in) contiguous, W = (topo, values), bias (out,) or None.
+
+    Call through `sparse_linear` (which validates and reshapes); apply(x, values, bias, topo).
+    Backward respects ctx.needs_input_grad: dX needs only values, dv only x.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, values: torch.Tensor, bias: Optional[torch.Tensor], topo: Topology):
+        y = backend.spmm(x, topo, values)
+        if bias is not None:
+            y.add_(bias)
+        ctx.topo = topo
+        ctx.has_bias = bias is not None
+        need_x, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(x if need_v else None, values if need_x else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, values = ctx.saved_tensors
+        topo = ctx.topo
+        dy = dy.contiguous()
+        dx = dv = db = None
+        if ctx.needs_input_grad[0]:
+            dx = backend.spmm_t(dy, topo, values)
+        if ctx.needs_input_grad[1]:
+            dv = backend.sddmm(dy, x, topo)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dv, db, None
+
+
+def _check_tensor(name: str, t, dims: Optional[int] = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {t.dtype}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+
+
+def _autocast_inputs(x, values, bias):
+    """Casts like autocast does for nn.Linear; returns (x, values, bias, dtype of the result)."""
+    dev = x.device.type
+    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
+        return x, values, bias, None
+    target = torch.get_autocast_dtype(dev)
+    compute = target if dev == "cuda" else torch.float32
+
+    def cast(t):
+        if t is None or t.dtype == torch.float64 or t.dtype == compute:
+            return t
+        return t.to(compute)
+    if x.dtype == torch.float64 or values.dtype == torch.float64:
+        return x, values, bias, None  # autocast leaves float64 alone
+    return cast(x), cast(values), cast(bias), (target if dev == "cpu" else None)
+
+
+def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, out_features: int,
+                  bias: Optional[torch.Tensor] = None, *, in_features: Optional[int] = None) -> torch.Tensor:
+    """y = x @ W.T + bias for a sparse W of shape (out_features, in_features) given as COO.
+
+    Args:
+        x: (..., in_features) floating tensor; in_features is taken from x.shape[-1] (or checked
+            against the keyword `in_features` when given).
+        indices: (2, nnz) int32 (or int64) on x's device; [0] output (row) index in
+            [0, out_features), [1] input (column) index in [0, in_features); canonical row-major
+            (sorted by row, then column), each coordinate once. Unsorted indices raise ValueError:
+            sort once with `indices, values, _ = snack.core.canonicalize(indices, shape, values)`.
+            Checked only when its topology is (re)built, i.e. when `indices` changes.
+        values: (nnz,) of x's dtype and device, entry k the weight at (indices[0, k], indices[1, k]).
+        out_features: number of outputs.
+        bias: (out_features,) of x's dtype and device, or None.
+    Returns (..., out_features) of x's dtype. Differentiable in x, values and bias.
+    """
+    _check_tensor("x", x)
+    _check_tensor("values", values, dims=1)
+    if isinstance(out_features, bool) or not isinstance(out_features, int):
+        raise TypeError(f"out_features must be an int, got {type(out_features).__name__}")
+    if out_features < 0:
+        raise ValueError(f"out_features must be >= 0, got {out_features}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dimension (..., in_features), got a scalar")
+    in_f = x.shape[-1]
+    if in_features is not None and in_f != in_features:
+        raise ValueError(f"x must have shape (..., {in_features}) (last dim = in_features), "
+                         f"got {tuple(x.shape)}")
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dim() != 2 or indices.shape[0] != 2:
+        raise ValueError(f"indices must have shape (2, nnz), got {tuple(indices.shape)}")
+    if values.shape[0] != indices.shape[1]:
+        raise ValueError(f"values must have shape ({indices.shape[1]},) to match indices "
+                         f"(2, {indices.shape[1]}), got {tuple(values.shape)}")
+    if bias is not None:
+        _check_tensor("bias", bias, dims=1)
+        if bias.shape[0] != out_features:
+            raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+    for name, t in (("values", values), ("indices", indices), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; move them to one device")
+
+    x, values, bias, result_dtype = _autocast_inputs(x, values, bias)
+    if values.dtype != x.dtype:
+        raise TypeError(f"x and values must have the same dtype, got x {x.dtype} and values {values.dtype}")
+    if bias is not None and bias.dtype != x.dtype:
+        raise TypeError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
+
+    topo = backend.get_topology(indices, (out_features, in_f))
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), in_f)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            y = SparseLinearFunction.apply(x2, values, bias, topo)
+    else:
+        y = SparseLinearFunction.apply(x2, values, bias, topo)
+    y = y.reshape(*lead, out_features)
+    return y.to(result_dtype) if result_dtype is not None else y

@@ -1,0 +1,205 @@
+"""SparseLinear: an nn.Linear whose weight is stored as COO, for its non-zero connections only.
+
+Parameters and buffers (all that a state_dict holds):
+    values   nn.Parameter (nnz,)   the weights, in canonical row-major order of `indices`
+    indices  buffer int32 (2, nnz) [0] output (row) index, [1] input (column) index, sorted
+                                   row-major, each coordinate once
+    bias     nn.Parameter (out_features,) or None
+Because `values` is an ordinary dense parameter, every torch.optim optimizer, gradient clipping,
+AMP's GradScaler and DDP work unchanged; the optimizer state is (nnz,) too.
+Trade-off: the number of connections is fixed at construction (dynamic sparse training changes
+which connections, never how many), which keeps every buffer's shape and address stable, so a
+training step can be captured once in a CUDA graph and replayed.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+
+from snack.core import INDEX_DTYPE, density_to_nnz, uniform_indices
+from .functional import sparse_linear
+
+__all__ = ["SparseLinear"]
+
+
+def _check_features(name: str, n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if n <= 0:
+        raise ValueError(f"{name} must be a positive int, got {n}")
+    return n
+
+
+def _check_sparsity(sparsity) -> float:
+    if isinstance(sparsity, bool) or not isinstance(sparsity, Real) or math.isnan(sparsity) \
+            or not 0.0 <= float(sparsity) < 1.0:
+        raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
+    return float(sparsity)
+
+
+class SparseLinear(nn.Module):
+    """y = x @ W.T + b with W (out_features, in_features) sparse: only nnz connections stored.
+
+    Args:
+        in_features, out_features: positive ints.
+        bias: learn an additive bias (out_features,).
+        sparsity: fraction of zero weights, in [0, 1); the layer holds exactly
+            nnz = round((1 - sparsity) * in_features * out_features) connections, drawn
+            uniformly at random (from torch's global RNG, so torch.manual_seed makes it
+            reproducible) without ever building a dense matrix.
+        device, dtype: of values and bias (indices are always int32, on the same device).
+    Initialisation: as nn.Linear, values and bias ~ U(-1/sqrt(in_features), 1/sqrt(in_features)),
+    i.e. each kept weight has the distribution it would have in the dense layer (the output's
+    variance is then (1 - sparsity) times the dense layer's).
+    Input (..., in_features) -> output (..., out_features), on values' device and dtype.
+    """
+
+    __constants__ = ["in_features", "out_features"]
+    in_features: int
+    out_features: int
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, sparsity: float = 0.9,
+                 device=None, dtype=None):
+        super().__init__()
+        in_features = _check_features("in_features", in_features)
+        out_features = _check_features("out_features", out_features)
+        sparsity = _check_sparsity(sparsity)
+        nnz = density_to_nnz((out_features, in_features), density=1.0 - sparsity)
+        seed = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
+        idx = uniform_indices((out_features, in_features), nnz=nnz,
+                              generator=torch.Generator().manual_seed(seed))
+        factory = {"device": device, "dtype": dtype}
+        self._setup(in_features, out_features, idx.to(device=device),
+                    torch.empty(nnz, **factory),
+                    torch.empty(out_features, **factory) if bias else None)
+        self.reset_parameters()
+
+    def _setup(self, in_features: int, out_features: int, indices: torch.Tensor,
+               values: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.values = nn.Parameter(values)
+        self.register_buffer("indices", indices.to(INDEX_DTYPE).contiguous())
+        if bias is not None:
+            self.bias = nn.Parameter(bias)
+        else:
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        """values and bias ~ U(-1/sqrt(in_features), 1/sqrt(in_features)) (nn.Linear's bound)."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            self.values.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound)
+
+    # ---- properties ----------------------------------------------------------------------------
+    @property
+    def nnz(self) -> int:
+        """Number of stored connections (fixed for the layer's life)."""
+        return int(self.indices.shape[1])
+
+    @property
+    def density(self) -> float:
+        """nnz / (out_features * in_features)."""
+        return self.nnz / (self.out_features * self.in_features)
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of zero weights, 1 - nnz / (out_features * in_features)."""
+        return 1.0 - self.density
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"nnz={self.nnz}, sparsity={self.sparsity:.4f}, bias={self.bias is not None}")
+
+    # ---- compute -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sparse_linear(x, self.indices, self.values, self.out_features, self.bias,
+                             in_features=self.in_features)
+
+    def to_dense(self) -> torch.Tensor:
+        """The (out_features, in_features) weight, differentiable in values. For tests and export
+        only: it allocates the dense matrix that the layer itself never builds."""
+        w = torch.zeros(self.out_features, self.in_features, dtype=self.values.dtype,
+                        device=self.values.device)
+        idx = self.indices.to(torch.int64)
+        return w.index_put((idx[0], idx[1]), self.values)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) leaves integer buffers alone, but Module.type(), or any fn that casts
+        # every tensor, would not: keep indices int32 and follow only the device change.
+        idx = self._buffers.get("indices")
+
+        def keep_indices_int32(t):
+            out = fn(t)
+            if t is idx and isinstance(out, torch.Tensor) and out.dtype != idx.dtype:
+                out = idx.to(device=out.device)
+            return out
+        return super()._apply(keep_indices_int32, recurse)
+
+    # ---- conversion ----------------------------------------------------------------------------
+    @classmethod
+    def from_dense(cls, weight_or_linear: Union[torch.Tensor, nn.Linear], *,
+                   sparsity: Optional[float] = None, mask: Optional[torch.Tensor] = None) -> "SparseLinear":
+        """A SparseLinear holding part of a dense weight (out_features, in_features).
+
+        Args:
+            weight_or_linear: a 2-D tensor (out, in), or an nn.Linear (its bias is copied too).
+            sparsity: keep the round((1 - sparsity) * out * in) entries of largest |w|; ties are
+                broken by position (the earlier entry in row-major order is kept).
+            mask: keep exactly the entries where mask (bool or 0/1, shape (out, in)) is true.
+            With neither, the non-zero entries of the weight are kept (e.g. an already pruned
+            weight). Giving both raises ValueError.
+        The result has the weight's device and dtype; its parameters are copies that require
+        grad (unless the source is a Parameter that does not). Selection sorts |w|, which allocates temporaries of the dense size
+        (the dense weight exists already).
+        """
+        bias = None
+        if isinstance(weight_or_linear, nn.Linear):
+            w, bias = weight_or_linear.weight, weight_or_linear.bias
+        elif isinstance(weight_or_linear, torch.Tensor):
+            w = weight_or_linear
+        else:
+            raise TypeError("weight_or_linear must be a 2-D torch.Tensor or an nn.Linear, got "
+                            f"{type(weight_or_linear).__name__}")
+        if w.dim() != 2:
+            raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
+        if not w.is_floating_point():
+            raise TypeError(f"weight must be a floating tensor, got {w.dtype}")
+        out_f, in_f = int(w.shape[0]), int(w.shape[1])
+        _check_features("in_features", in_f)
+        _check_features("out_features", out_f)
+        if sparsity is not None and mask is not None:
+            raise ValueError("give sparsity or mask, not both")
+        wd = w.detach()
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+            if tuple(mask.shape) != (out_f, in_f):
+                raise ValueError(f"mask must have the weight's shape {(out_f, in_f)}, got {tuple(mask.shape)}")
+            keep = mask.to(device=wd.device) != 0
+            idx = keep.nonzero().t()                       # row-major order
+        elif sparsity is None:
+            idx = (wd != 0).nonzero().t()
+        else:
+            sparsity = _check_sparsity(sparsity)
+            k = density_to_nnz((out_f, in_f), density=1.0 - sparsity)
+            order = torch.sort(wd.abs().flatten(), descending=True, stable=True).indices[:k]
+            keys = torch.sort(order).values
+            idx = torch.stack([keys // in_f, keys % in_f])
+        idx = idx.to(torch.int64)
+        values = wd[idx[0], idx[1]].clone()
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup(in_f, out_f, idx, values,
+                     bias.detach().clone() if bias is not None else None)
+        if isinstance(w, nn.Parameter):               # a frozen layer stays frozen
+            layer.values.requires_grad_(w.requires_grad)
+        if bias is not None:
+            layer.bias.requires_grad_(bias.requires_grad)
+        return layer

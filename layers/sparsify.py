@@ -1,0 +1,248 @@
+"""sparsify(model): replace a model's dense linear layers with SparseLinear, in place.
+
+Replaces every selected nn.Linear, and Hugging Face transformers' Conv1D (GPT-2: weight stored
+(in, out), y = x @ W + b; recognised by class name and module path, so transformers is not a
+dependency), by `SparseLinear.from_dense`, keeping the entries of largest magnitude. Per-layer
+densities are uniform (every layer at `sparsity`) or ERK (RigL: density proportional to
+(out + in) / (out * in), same total number of connections). A `SparsifySummary` of what was
+replaced (shapes, densities, parameters and bytes before and after) is kept in `last_summary`
+and returned with `summary=True`; printing it gives a table.
+Trade-off: selection by magnitude needs the dense weights (they exist already); layers whose
+weight is shared with another module (tied embeddings, e.g. GPT-2's lm_head) and the output
+projection inside nn.MultiheadAttention (which reads `.weight` directly) are left dense and
+listed as skipped, because replacing them would silently untie or break them.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from snack.core import erk_densities
+from .linear import SparseLinear, _check_sparsity
+
+__all__ = ["sparsify", "SparsifySummary", "LayerRow", "last_summary"]
+
+Pattern = Union[str, Callable[[str, nn.Module], bool]]
+
+last_summary: Optional["SparsifySummary"] = None
+
+
+@dataclass
+class LayerRow:
+    """One replaced layer. shape is (out_features, in_features); bytes count weight + bias,
+    and for the sparse layer values + int32 indices (8 bytes per connection) + bias."""
+    name: str
+    kind: str
+    shape: Tuple[int, int]
+    density: float
+    nnz: int
+    params_before: int
+    params_after: int
+    bytes_before: int
+    bytes_after: int
+
+
+@dataclass
+class SparsifySummary:
+    """What `sparsify` did: one row per replaced layer, the skipped layers with the reason."""
+    distribution: str
+    sparsity: float
+    rows: List[LayerRow] = field(default_factory=list)
+    skipped: List[Tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def params_before(self) -> int:
+        return sum(r.params_before for r in self.rows)
+
+    @property
+    def params_after(self) -> int:
+        return sum(r.params_after for r in self.rows)
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(r.bytes_before for r in self.rows)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(r.bytes_after for r in self.rows)
+
+    @property
+    def weights_before(self) -> int:
+        """Dense weight entries of the replaced layers (no biases)."""
+        return sum(r.shape[0] * r.shape[1] for r in self.rows)
+
+    @property
+    def nnz(self) -> int:
+        return sum(r.nnz for r in self.rows)
+
+    @property
+    def density(self) -> float:
+        """Overall fraction of weights kept in the replaced layers."""
+        n = self.weights_before
+        return self.nnz / n if n else 0.0
+
+    def table(self) -> str:
+        """A plain-text table: one line per layer, then the totals and the skipped layers."""
+        head = ("layer", "kind", "shape", "density", "params before", "params after",
+                "MB before", "MB after")
+        lines = [[r.name, r.kind, f"{r.shape[0]}x{r.shape[1]}", f"{r.density:.4f}",
+                  f"{r.params_before:,}", f"{r.params_after:,}", f"{r.bytes_before / 1e6:.3f}",
+                  f"{r.bytes_after / 1e6:.3f}"] for r in self.rows]
+        lines.append(["total", "", f"{len(self.rows)} layers", f"{self.density:.4f}",
+                      f"{self.params_before:,}", f"{self.params_after:,}",
+                      f"{self.bytes_before / 1e6:.3f}", f"{self.bytes_after / 1e6:.3f}"])
+        widths = [max(len(head[i]), *(len(l[i]) for l in lines)) for i in range(len(head))]
+
+        def fmt(cells):
+            return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        out = [f"sparsify: distribution={self.distribution}, sparsity={self.sparsity}",
+               fmt(head), fmt(["-" * w for w in widths])]
+        out += [fmt(l) for l in lines[:-1]] + [fmt(["-" * w for w in widths]), fmt(lines[-1])]
+        out += [f"skipped {name}: {why}" for name, why in self.skipped]
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    t = type(m)
+    return t.__name__ == "Conv1D" and "transformers" in (t.__module__ or "")
+
+
+def _dense_of(m: nn.Module):
+    """(kind, weight (out, in) view, bias) of a replaceable module, or None."""
+    if isinstance(m, nn.Linear):
+        return "Linear", m.weight, m.bias
+    if _is_conv1d(m):
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2:
+            return "Conv1D", w.t(), getattr(m, "bias", None)
+    return None
+
+
+def _as_patterns(name: str, p) -> List[Pattern]:
+    if p is None:
+        return []
+    if isinstance(p, str) or callable(p):
+        return [p]
+    if isinstance(p, Sequence):
+        for q in p:
+            if not (isinstance(q, str) or callable(q)):
+                raise TypeError(f"{name} must hold name patterns (str) or callables (name, module) -> bool, "
+                                f"got an item of type {type(q).__name__}")
+        return list(p)
+    raise TypeError(f"{name} must be None, a pattern, a callable or a list of them, got {type(p).__name__}")
+
+
+def _matches(patterns: List[Pattern], name: str, module: nn.Module) -> bool:
+    for p in patterns:
+        if isinstance(p, str):
+            if fnmatch.fnmatchcase(name, p):
+                return True
+        elif p(name, module):
+            return True
+    return False
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "uniform",
+             include: Union[None, Pattern, Sequence[Pattern]] = None,
+             exclude: Union[None, Pattern, Sequence[Pattern]] = None, summary: bool = False):
+    """Replaces the model's nn.Linear (and transformers' Conv1D) modules by SparseLinear, in place.
+
+    Args:
+        model: any nn.Module. If it is itself an nn.Linear, the new SparseLinear is returned
+            (a module cannot replace itself in place).
+        sparsity: overall fraction of zero weights over the replaced layers, in [0, 1).
+        distribution: "uniform" (each layer at `sparsity`) or "erk" (per-layer densities from
+            `snack.core.erk_densities`: small layers denser, same total connections; layers
+            that would exceed density 1 stay fully connected, still as SparseLinear).
+        include: name pattern(s) (fnmatch on the qualified module name, e.g. "encoder.*") or
+            callables (name, module) -> bool; only matching layers are replaced (default: all).
+        exclude: the same; matching layers are left dense (applied after include).
+        summary: also return the SparsifySummary.
+    Each layer keeps its round(density * out * in) entries of largest |w| and its bias, device,
+    dtype and requires_grad. Returns the model (or (model, summary) with summary=True); the
+    summary is kept in `sparsify.last_summary` as well (an attribute of this function, so
+    `snack.sparsify.last_summary` works).
+    """
+    global last_summary
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    sparsity = _check_sparsity(sparsity)
+    if distribution not in ("uniform", "erk"):
+        raise ValueError(f"distribution must be 'uniform' or 'erk', got {distribution!r}")
+    inc = _as_patterns("include", include)
+    exc = _as_patterns("exclude", exclude)
+
+    # who owns each parameter (to spot tied weights) and every place each module is attached
+    owners = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(m))
+    report = SparsifySummary(distribution=distribution, sparsity=sparsity)
+    chosen = []          # (name, module, kind, weight (out, in), bias)
+    seen = set()
+    for name, m in model.named_modules():
+        d = _dense_of(m)
+        if d is None or id(m) in seen:
+            continue
+        seen.add(id(m))
+        if (inc and not _matches(inc, name, m)) or (exc and _matches(exc, name, m)):
+            continue
+        kind, w, b = d
+        if len(owners.get(id(getattr(m, "weight")), ())) > 1:
+            report.skipped.append((name, "weight shared with another module (tied)"))
+            continue
+        if isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            report.skipped.append((name, "output projection of nn.MultiheadAttention (reads .weight)"))
+            continue
+        chosen.append((name, m, kind, w, b))
+
+    shapes = [tuple(w.shape) for _, _, _, w, _ in chosen]
+    if distribution == "erk":
+        densities = erk_densities(shapes, sparsity) if shapes else []
+    else:
+        densities = [1.0 - sparsity] * len(shapes)
+
+    replaced = {}
+    for (name, m, kind, w, b), dens in zip(chosen, densities):
+        dens = min(1.0, max(0.0, float(dens)))
+        layer_sparsity = min(1.0 - dens, 1.0 - 1e-12)   # density 0 -> nnz 0
+        with torch.no_grad():
+            new = SparseLinear.from_dense(w.detach(), sparsity=layer_sparsity)
+            if b is not None:
+                new.bias = nn.Parameter(b.detach().clone(), requires_grad=b.requires_grad)
+        new.values.requires_grad_(getattr(m, "weight").requires_grad)
+        new.train(m.training)
+        replaced[id(m)] = new
+        wb = w.numel() * w.element_size()
+        report.rows.append(LayerRow(
+            name=name, kind=kind, shape=(int(w.shape[0]), int(w.shape[1])), density=new.density,
+            nnz=new.nnz, params_before=w.numel() + (b.numel() if b is not None else 0),
+            params_after=new.nnz + (b.numel() if b is not None else 0),
+            bytes_before=wb + _nbytes(b),
+            bytes_after=_nbytes(new.values) + _nbytes(new.indices) + _nbytes(b)))
+
+    result = model
+    if id(model) in replaced:
+        result = replaced[id(model)]
+    else:
+        for pname, parent in model.named_modules(remove_duplicate=False):
+            for cname, child in list(parent._modules.items()):
+                if child is not None and id(child) in replaced:
+                    setattr(parent, cname, replaced[id(child)])
+    last_summary = report
+    sparsify.last_summary = report  # also reachable as snack.sparsify.last_summary
+    return (result, report) if summary else result
+
+
+sparsify.last_summary = None
