@@ -105,7 +105,7 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if data.size != int(np.prod(dims)):
         raise ValueError(f"{path}: header says shape {dims} but holds {data.size} bytes of data")
-    return data.reshape(dims)
+    return data.reshape(dims).copy()  # frombuffer is read-only; torch wants writable arrays
 
 
 def _parse_fashion(split: str, root: Optional[Path] = None) -> Tuple[np.ndarray, np.ndarray]:

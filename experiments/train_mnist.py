@@ -1,0 +1,395 @@
+"""Train LeNet-300-100 (784-300-100-10) on real MNIST, truly sparse next to dense, side by side.
+
+The dense MLP is built once from the seed; the sparse model is the same initial network passed
+through `snack.sparsify` (every nn.Linear becomes a snack.SparseLinear keeping the largest-|w|
+connections, `sparsity` overall, spread uniformly or by ERK). Both then train with the same
+optimizer, learning rate, batch order and number of epochs. Per model it prints and writes to
+`<out_dir>/train_mnist.csv`: test accuracy, training time, parameter and connection counts, the
+bytes of weights (+ indices), gradients and optimizer state counted from the actual tensors, and
+peak memory (CUDA: torch.cuda.max_memory_allocated over the run; CPU: those state bytes plus
+the tensors autograd saves for backward in one step). The run's config goes beside the CSV.
+
+Trade-off: the topology is static here (no prune/regrow), so the accuracy gap is that of a
+fixed random-magnitude mask at initialisation, and the whole data set lives in memory (on the
+GPU when training there) so that loading never hides the layers' speed.
+
+Config nanoGPT-style: every default below can be overridden as --key=value, e.g.
+    python experiments/train_mnist.py                               # full run
+    python experiments/train_mnist.py --sparsity=0.95 --distribution=uniform --epochs=5
+    python experiments/train_mnist.py --quick                       # seconds: a smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
+
+import snack  # noqa: E402
+from experiments.data import load  # noqa: E402
+
+# ---- config: defaults, overridable with --key=value ------------------------------------------
+DEFAULTS = dict(
+    dataset="mnist",          # mnist | fashion-mnist
+    models="dense,sparse",    # which of the two to train, comma separated, in this order
+    sparsity=0.9,             # fraction of connections removed, over all layers together
+    distribution="erk",       # erk | uniform: how sparsity is spread over the layers
+    epochs=3,
+    batch_size=128,
+    optimizer="adam",         # adam | sgd (with momentum)
+    lr=1e-3,
+    momentum=0.9,             # sgd only
+    weight_decay=0.0,
+    seed=0,
+    device="auto",            # auto | cpu | cuda
+    train_limit=0,            # use the first N training examples (0: all 60000)
+    test_limit=0,             # use the first N test examples (0: all 10000)
+    threads=0,                # torch CPU threads (0: torch's default)
+    progress=True,            # tqdm bars
+    out_dir="results",        # train_mnist.csv and train_mnist.json go here
+    quick=False,              # a tiny smoke run (see QUICK); explicit --key=value still win
+)
+QUICK = dict(epochs=1, train_limit=3000, test_limit=1000, batch_size=64)
+
+
+def _bool(s: str) -> bool:
+    v = str(s).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {s!r}")
+
+
+def parse_config(argv=None) -> dict:
+    """DEFAULTS overridden by --key=value (or --key value) arguments; --quick applies QUICK."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for key, default in DEFAULTS.items():
+        flag = "--" + key
+        if isinstance(default, bool):
+            p.add_argument(flag, type=_bool, nargs="?", const=True, default=argparse.SUPPRESS,
+                           help=f"(default {default})")
+        else:
+            p.add_argument(flag, type=type(default), default=argparse.SUPPRESS,
+                           help=f"(default {default})")
+    given = vars(p.parse_args(argv))
+    cfg = dict(DEFAULTS)
+    if given.get("quick", False):
+        cfg.update(QUICK)
+    cfg.update(given)
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: dict) -> None:
+    if cfg["dataset"] not in ("mnist", "fashion-mnist"):
+        raise ValueError(f"dataset must be 'mnist' or 'fashion-mnist', got {cfg['dataset']!r}")
+    models = [m.strip() for m in cfg["models"].split(",") if m.strip()]
+    if not models or any(m not in ("dense", "sparse") for m in models):
+        raise ValueError(f"models must be a comma-separated subset of dense,sparse, got {cfg['models']!r}")
+    if not 0.0 <= cfg["sparsity"] < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {cfg['sparsity']}")
+    if cfg["distribution"] not in ("erk", "uniform"):
+        raise ValueError(f"distribution must be 'erk' or 'uniform', got {cfg['distribution']!r}")
+    if cfg["optimizer"] not in ("adam", "sgd"):
+        raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg['optimizer']!r}")
+    if cfg["device"] not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {cfg['device']!r}")
+    for key in ("epochs", "batch_size"):
+        if cfg[key] < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
+    for key in ("train_limit", "test_limit", "threads"):
+        if cfg[key] < 0:
+            raise ValueError(f"{key} must be >= 0, got {cfg[key]}")
+    if not cfg["lr"] > 0:
+        raise ValueError(f"lr must be positive, got {cfg['lr']}")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    return torch.device(name)
+
+
+# ---- the model -------------------------------------------------------------------------------
+def lenet_300_100() -> nn.Sequential:
+    """LeNet-300-100: 784-300-100-10 with ReLU, torch's default initialisation."""
+    return nn.Sequential(nn.Linear(784, 300), nn.ReLU(), nn.Linear(300, 100), nn.ReLU(),
+                         nn.Linear(100, 10))
+
+
+def build(kind: str, init: nn.Module, cfg: dict) -> nn.Module:
+    """A copy of the initial dense network, made truly sparse for kind='sparse'."""
+    model = copy.deepcopy(init)
+    if kind == "sparse":
+        model = snack.sparsify(model, sparsity=cfg["sparsity"], distribution=cfg["distribution"])
+        if not any(isinstance(m, snack.SparseLinear) for m in model.modules()):
+            raise RuntimeError("snack.sparsify left no SparseLinear layer in the model")
+    return model
+
+
+def connections(model: nn.Module) -> int:
+    """Stored weight entries: nnz of sparse layers, in * out of dense ones (biases excluded)."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, snack.SparseLinear):
+            n += int(m.nnz)
+        elif isinstance(m, nn.Linear):
+            n += m.weight.numel()
+    return n
+
+
+# ---- memory, counted from the tensors themselves -----------------------------------------------
+def _storage_key(t: torch.Tensor):
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def _add(seen: dict, t) -> None:
+    if isinstance(t, torch.Tensor) and t.numel():
+        seen.setdefault(_storage_key(t), t.untyped_storage().nbytes())
+
+
+def _topology_tensors(model: nn.Module):
+    """Tensors held by COO/Topology objects on the modules (indices, cached metadata)."""
+    from snack.core import COO, Topology
+    for m in model.modules():
+        for v in vars(m).values():
+            topo = v.topology if isinstance(v, COO) else v if isinstance(v, Topology) else None
+            if isinstance(v, COO):
+                yield v.values
+            if topo is not None:
+                yield topo.indices
+                yield from (c for c in topo.cache.values() if isinstance(c, torch.Tensor))
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Bytes of distinct storages: weights (parameters, buffers such as indices, and cached
+    topology metadata), gradients, optimizer state. Shared storages count once."""
+    out, seen = {}, {}
+    groups = (
+        ("weight_bytes", [*model.parameters(), *model.buffers(), *_topology_tensors(model)]),
+        ("grad_bytes", [p.grad for p in model.parameters()]),
+        ("optim_bytes", [t for s in optimizer.state.values() for t in s.values()]),
+    )
+    for name, tensors in groups:
+        before = sum(seen.values())
+        for t in tensors:
+            _add(seen, t)
+        out[name] = sum(seen.values()) - before
+    out["state_bytes"] = sum(seen.values())
+    out["_seen"] = seen
+    return out
+
+
+def saved_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, exclude: dict) -> int:
+    """Bytes of the tensors autograd keeps for backward in one training step (storages not in
+    `exclude`, i.e. not already counted as weights/gradients/optimizer state)."""
+    seen = {}
+
+    def pack(t):
+        if _storage_key(t) not in exclude:
+            _add(seen, t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(x), y)
+    del loss
+    return sum(seen.values())
+
+
+# ---- training ------------------------------------------------------------------------------------
+def make_optimizer(model: nn.Module, cfg: dict) -> torch.optim.Optimizer:
+    if cfg["optimizer"] == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
+                           weight_decay=cfg["weight_decay"])
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> float:
+    model.eval()
+    correct = 0
+    for i in range(0, x.shape[0], batch):
+        correct += int((model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum())
+    model.train()
+    return correct / max(x.shape[0], 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device) -> dict:
+    """Trains one model; returns its row of results."""
+    from tqdm.auto import tqdm
+    x_train, y_train, x_test, y_test = data
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    model = build(kind, init, cfg).to(device)
+    opt = make_optimizer(model, cfg)
+    order = torch.Generator().manual_seed(cfg["seed"])  # same batch order for every model
+    n, bs = x_train.shape[0], cfg["batch_size"]
+    steps_per_epoch = math.ceil(n / bs)
+    train_time, loss_sum, accs = 0.0, 0.0, []
+    for epoch in range(cfg["epochs"]):
+        perm = torch.randperm(n, generator=order).to(device)
+        bar = tqdm(range(steps_per_epoch), desc=f"{kind:>6} epoch {epoch + 1}/{cfg['epochs']}",
+                   disable=not cfg["progress"], leave=False, dynamic_ncols=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        for step in bar:
+            idx = perm[step * bs:(step + 1) * bs]
+            xb, yb = x_train[idx], y_train[idx]
+            opt.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            opt.step()
+            loss_sum += loss.detach()
+            if step % 50 == 49 and cfg["progress"]:
+                bar.set_postfix(loss=f"{float(loss):.3f}")
+        _sync(device)
+        train_time += time.perf_counter() - t0
+        bar.close()
+        accs.append(evaluate(model, x_test, y_test))
+        print(f"{kind:>6} epoch {epoch + 1}/{cfg['epochs']}: train loss {float(loss_sum) / steps_per_epoch:.4f}  "
+              f"test acc {accs[-1]:.4f}  ({train_time:.1f} s training so far)", flush=True)
+    mem = state_bytes(model, opt)
+    act = saved_activation_bytes(model, x_train[:bs], y_train[:bs], mem.pop("_seen"))
+    row = dict(
+        model=kind,
+        dataset=cfg["dataset"],
+        sparsity=cfg["sparsity"] if kind == "sparse" else 0.0,
+        distribution=cfg["distribution"] if kind == "sparse" else "",
+        achieved_sparsity=round(1.0 - connections(model) / connections(init), 6),
+        params=sum(p.numel() for p in model.parameters()),
+        connections=connections(model),
+        test_acc=accs[-1],
+        best_test_acc=max(accs),
+        final_train_loss=float(loss_sum) / steps_per_epoch,
+        train_time_s=round(train_time, 3),
+        ms_per_step=round(1000 * train_time / (cfg["epochs"] * steps_per_epoch), 4),
+        epochs=cfg["epochs"],
+        batch_size=bs,
+        train_examples=n,
+        **mem,
+        activation_bytes=act,
+    )
+    if device.type == "cuda":
+        row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+        row["peak_source"] = "torch.cuda.max_memory_allocated"
+    else:
+        row["peak_bytes"] = mem["state_bytes"] + act
+        row["peak_source"] = "tensor bytes: state + saved activations"
+    return row
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+def environment(device: torch.device) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = commit + ("-dirty" if commit and dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return dict(
+        device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        cpu_threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        snack=getattr(snack, "__version__", ""),
+        python=platform.python_version(),
+        git_commit=commit,
+    )
+
+
+def _mb(b: int) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def print_table(rows) -> None:
+    cols = [("model", "model", str), ("sparsity", "sparsity", lambda v: f"{v:.2f}"),
+            ("params", "params", str), ("connections", "connections", str),
+            ("test acc", "test_acc", lambda v: f"{100 * v:.2f}%"),
+            ("train s", "train_time_s", lambda v: f"{v:.1f}"), ("ms/step", "ms_per_step", lambda v: f"{v:.2f}"),
+            ("weights MB", "weight_bytes", _mb), ("grads MB", "grad_bytes", _mb),
+            ("optim MB", "optim_bytes", _mb), ("state MB", "state_bytes", _mb), ("peak MB", "peak_bytes", _mb)]
+    cells = [[h for h, _, _ in cols]] + [[f(r[k]) for _, k, f in cols] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    for j, line in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    if len(rows) == 2:
+        d, s = rows
+        print(f"sparse / dense: state bytes x{s['state_bytes'] / d['state_bytes']:.3f}, peak x"
+              f"{s['peak_bytes'] / d['peak_bytes']:.3f}, train time x{s['train_time_s'] / max(d['train_time_s'], 1e-9):.2f}, "
+              f"accuracy {100 * (s['test_acc'] - d['test_acc']):+.2f} points")
+
+
+def main(argv=None) -> list:
+    """Runs the experiment; returns the result rows (also written to <out_dir>/train_mnist.csv)."""
+    t_start = time.perf_counter()
+    cfg = parse_config(argv)
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
+    device = pick_device(cfg["device"])
+    env = environment(device)
+    print(f"train_mnist: {cfg['dataset']} LeNet-300-100, dense vs snack.SparseLinear at sparsity "
+          f"{cfg['sparsity']} ({cfg['distribution']}), {cfg['epochs']} epoch(s), batch {cfg['batch_size']}, "
+          f"{cfg['optimizer']} lr {cfg['lr']}, on {env['device']} ({env['device_name']}, "
+          f"{env['cpu_threads']} CPU threads), torch {env['torch']}, commit {env['git_commit'] or '?'}", flush=True)
+
+    x_train, y_train = load(cfg["dataset"], "train", limit=cfg["train_limit"] or None, device=device)
+    x_test, y_test = load(cfg["dataset"], "test", limit=cfg["test_limit"] or None, device=device)
+    print(f"data: {x_train.shape[0]} train / {x_test.shape[0]} test examples", flush=True)
+
+    torch.manual_seed(cfg["seed"])
+    init = lenet_300_100()
+    rows = []
+    for kind in [m.strip() for m in cfg["models"].split(",") if m.strip()]:
+        row = train_one(kind, init, (x_train, y_train, x_test, y_test), cfg, device)
+        rows.append({**row, **{k: env[k] for k in ("device", "device_name", "torch", "git_commit")}})
+
+    print()
+    print_table(rows)
+    out_dir = Path(cfg["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path = out_dir / "train_mnist.csv", out_dir / "train_mnist.json"
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    wall = time.perf_counter() - t_start
+    with open(json_path, "w") as f:
+        json.dump(dict(config=cfg, environment=env, argv=sys.argv[1:] if argv is None else list(argv),
+                       wall_time_s=round(wall, 2)), f, indent=2)
+    print(f"wrote {csv_path} and {json_path}; total wall time {wall:.1f} s")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

