@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 
 import snack  # noqa: E402
+from snack.layers.backend import backend_name  # noqa: E402
 from experiments.data import load  # noqa: E402
 
 # ---- config: defaults, overridable with --key=value ------------------------------------------
@@ -168,16 +169,14 @@ def _add(seen: dict, t) -> None:
 
 
 def _topology_tensors(model: nn.Module):
-    """Tensors held by COO/Topology objects on the modules (indices, cached metadata)."""
-    from snack.core import COO, Topology
+    """Tensors of the cached topology metadata of every SparseLinear (row pointers, column
+    permutation, backend-specific arrays), which the backend keeps beside the layer."""
+    from snack.layers.backend import get_topology
     for m in model.modules():
-        for v in vars(m).values():
-            topo = v.topology if isinstance(v, COO) else v if isinstance(v, Topology) else None
-            if isinstance(v, COO):
-                yield v.values
-            if topo is not None:
-                yield topo.indices
-                yield from (c for c in topo.cache.values() if isinstance(c, torch.Tensor))
+        if isinstance(m, snack.SparseLinear):
+            topo = get_topology(m.indices, (m.out_features, m.in_features))
+            yield topo.indices
+            yield from (c for c in topo.cache.values() if isinstance(c, torch.Tensor))
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -323,6 +322,7 @@ def environment(device: torch.device) -> dict:
         snack=getattr(snack, "__version__", ""),
         python=platform.python_version(),
         git_commit=commit,
+        sparse_backend=backend_name(device),
     )
 
 
@@ -361,7 +361,8 @@ def main(argv=None) -> list:
     print(f"train_mnist: {cfg['dataset']} LeNet-300-100, dense vs snack.SparseLinear at sparsity "
           f"{cfg['sparsity']} ({cfg['distribution']}), {cfg['epochs']} epoch(s), batch {cfg['batch_size']}, "
           f"{cfg['optimizer']} lr {cfg['lr']}, on {env['device']} ({env['device_name']}, "
-          f"{env['cpu_threads']} CPU threads), torch {env['torch']}, commit {env['git_commit'] or '?'}", flush=True)
+          f"{env['cpu_threads']} CPU threads), sparse backend '{env['sparse_backend']}', torch {env['torch']}, "
+          f"commit {env['git_commit'] or '?'}", flush=True)
 
     x_train, y_train = load(cfg["dataset"], "train", limit=cfg["train_limit"] or None, device=device)
     x_test, y_test = load(cfg["dataset"], "test", limit=cfg["test_limit"] or None, device=device)
@@ -372,7 +373,7 @@ def main(argv=None) -> list:
     rows = []
     for kind in [m.strip() for m in cfg["models"].split(",") if m.strip()]:
         row = train_one(kind, init, (x_train, y_train, x_test, y_test), cfg, device)
-        rows.append({**row, **{k: env[k] for k in ("device", "device_name", "torch", "git_commit")}})
+        rows.append({**row, **{k: env[k] for k in ("device", "device_name", "sparse_backend", "torch", "git_commit")}})
 
     print()
     print_table(rows)
