@@ -1,0 +1,295 @@
+"""Tests of snack.functional.sparse_linear and the backend dispatch / topology cache.
+
+Oracle: F.linear with the dense (out, in) matrix of the COO weight, in float64, and its dense
+weight gradient gathered at the pattern. Shapes include odd sizes, nnz = 0, empty rows and
+columns, 1 x 1, leading dims and non-contiguous inputs.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import snack
+import snack.functional
+from snack.core import canonicalize, uniform_indices
+from snack.layers import backend
+from snack.layers.functional import sparse_linear
+
+F64_ATOL = 1e-10
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _coo(out_f, in_f, *, density=None, nnz=None, seed=0, dtype=torch.float64, empty_rows=False,
+         empty_cols=False):
+    """Canonical int32 indices (2, nnz) and values (nnz,), optionally leaving rows/cols empty."""
+    g = _gen(seed)
+    idx = uniform_indices((out_f, in_f), density=density, nnz=nnz, generator=g).long()
+    keep = torch.ones(idx.shape[1], dtype=torch.bool)
+    if empty_rows:
+        keep &= idx[0] % 2 == 0
+    if empty_cols:
+        keep &= idx[1] % 3 != 1
+    idx = idx[:, keep].to(torch.int32).contiguous()
+    vals = torch.randn(idx.shape[1], generator=g, dtype=torch.float64).to(dtype)
+    return idx, vals
+
+
+def _dense(idx, vals, out_f, in_f):
+    w = torch.zeros(out_f, in_f, dtype=vals.dtype)
+    w[idx[0].long(), idx[1].long()] = vals
+    return w
+
+
+# (lead shape, in, out, density, empty_rows, empty_cols)
+CASES = [
+    ((7,), 96, 40, 0.3, False, False),
+    ((7,), 333, 40, 0.05, False, False),
+    ((3,), 40, 96, 0.2, True, True),
+    ((1,), 1, 1, 1.0, False, False),
+    ((1,), 1, 1, 0.0, False, False),          # nnz = 0
+    ((5,), 17, 9, 0.0, False, False),         # nnz = 0
+    ((2, 3), 13, 11, 0.4, False, False),      # leading dims
+    ((), 13, 11, 0.4, False, False),          # 1-D input
+    ((0,), 13, 11, 0.4, False, False),        # empty batch
+    ((4,), 8, 6, 1.0, False, False),          # fully dense pattern
+]
+
+
+@pytest.mark.parametrize("lead,in_f,out_f,density,er,ec", CASES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_forward_backward_match_dense(lead, in_f, out_f, density, er, ec, with_bias):
+    idx, vals = _coo(out_f, in_f, density=density, seed=in_f * 31 + out_f, empty_rows=er, empty_cols=ec)
+    g = _gen(7)
+    x = torch.randn(*lead, in_f, generator=g, dtype=torch.float64)
+    b = torch.randn(out_f, generator=g, dtype=torch.float64) if with_bias else None
+    dy = torch.randn(*lead, out_f, generator=g, dtype=torch.float64)
+
+    xs, vs = x.clone().requires_grad_(), vals.clone().requires_grad_()
+    bs = b.clone().requires_grad_() if with_bias else None
+    y = sparse_linear(xs, idx, vs, out_f, bs)
+    y.backward(dy)
+
+    w = _dense(idx, vals, out_f, in_f).requires_grad_()
+    xd = x.clone().requires_grad_()
+    bd = b.clone().requires_grad_() if with_bias else None
+    yd = F.linear(xd, w, bd)
+    yd.backward(dy)
+
+    assert y.shape == yd.shape == (*lead, out_f)
+    torch.testing.assert_close(y, yd, atol=F64_ATOL, rtol=0)
+    torch.testing.assert_close(xs.grad, xd.grad, atol=F64_ATOL, rtol=0)
+    # value gradient == dense weight gradient masked to the pattern
+    torch.testing.assert_close(vs.grad, w.grad[idx[0].long(), idx[1].long()], atol=F64_ATOL, rtol=0)
+    if with_bias:
+        torch.testing.assert_close(bs.grad, bd.grad, atol=F64_ATOL, rtol=0)
+
+
+def test_matches_scipy():
+    sp = pytest.importorskip("scipy.sparse")
+    idx, vals = _coo(40, 96, density=0.1, seed=3)
+    x = torch.randn(7, 96, generator=_gen(1), dtype=torch.float64)
+    m = sp.coo_array((vals.numpy(), (idx[0].numpy(), idx[1].numpy())), shape=(40, 96)).tocsr()
+    ref = (m @ x.numpy().T).T
+    y = sparse_linear(x, idx, vals, 40)
+    torch.testing.assert_close(y, torch.from_numpy(ref), atol=F64_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("lead,in_f,out_f,density", [((3,), 11, 7, 0.4), ((2, 3), 5, 4, 0.5),
+                                                      ((2,), 6, 5, 0.0), ((3,), 9, 6, 0.6)])
+def test_gradcheck(lead, in_f, out_f, density):
+    empty = density == 0.6
+    idx, vals = _coo(out_f, in_f, density=density, seed=5, empty_rows=empty)
+    g = _gen(11)
+    x = torch.randn(*lead, in_f, generator=g, dtype=torch.float64, requires_grad=True)
+    v = vals.clone().requires_grad_()
+    b = torch.randn(out_f, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, v, b: sparse_linear(x, idx, v, out_f, b), (x, v, b))
+
+
+def test_float32_close_to_float64():
+    idx, vals = _coo(40, 333, density=0.1, seed=9)
+    x = torch.randn(7, 333, generator=_gen(2), dtype=torch.float64)
+    y64 = sparse_linear(x, idx, vals, 40)
+    y32 = sparse_linear(x.float(), idx, vals.float(), 40)
+    assert y32.dtype == torch.float32
+    # error at most a small multiple of torch's own float32 error on the dense product
+    dense_err = (F.linear(x.float(), _dense(idx, vals, 40, 333).float()).double() - y64).abs().max()
+    assert (y32.double() - y64).abs().max() <= 2 * dense_err + 1e-5
+
+
+def test_non_contiguous_input_and_int64_indices():
+    idx, vals = _coo(12, 10, density=0.3, seed=4)
+    xt = torch.randn(10, 6, generator=_gen(3), dtype=torch.float64).t()   # (6, 10), not contiguous
+    assert not xt.is_contiguous()
+    y = sparse_linear(xt, idx.long(), vals, 12)
+    torch.testing.assert_close(y, xt @ _dense(idx, vals, 12, 10).t(), atol=F64_ATOL, rtol=0)
+
+
+def test_needs_input_grad_skips_unneeded_ops(monkeypatch):
+    idx, vals = _coo(9, 8, density=0.5, seed=1)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    called = []
+    real_sddmm, real_spmm_t = backend.sddmm, backend.spmm_t
+    monkeypatch.setattr(backend, "sddmm", lambda *a, **k: called.append("sddmm") or real_sddmm(*a, **k))
+    monkeypatch.setattr(backend, "spmm_t", lambda *a, **k: called.append("spmm_t") or real_spmm_t(*a, **k))
+    sparse_linear(x, idx, vals, 9).sum().backward()          # values frozen: no sddmm
+    assert called == ["spmm_t"]
+    called.clear()
+    v = vals.clone().requires_grad_()
+    sparse_linear(x.detach(), idx, v, 9).sum().backward()   # x frozen: no spmm_t
+    assert called == ["sddmm"]
+    assert x.grad is not None and v.grad is not None
+
+
+# ---- validation ---------------------------------------------------------------------------------
+def test_unsorted_indices_raise_with_hint():
+    idx, vals = _coo(6, 5, density=0.5, seed=2)
+    perm = torch.randperm(idx.shape[1], generator=_gen(0))
+    bad = idx[:, perm.flip(0)].contiguous()
+    with pytest.raises(ValueError, match="canonicalize"):
+        sparse_linear(torch.randn(2, 5, dtype=torch.float64), bad, vals, 6)
+    # the hinted fix works
+    fixed, fvals, _ = canonicalize(bad, (6, 5), vals[perm.flip(0)])
+    y = sparse_linear(torch.ones(2, 5, dtype=torch.float64), fixed, fvals, 6)
+    torch.testing.assert_close(y, torch.ones(2, 5, dtype=torch.float64) @ _dense(idx, vals, 6, 5).t())
+
+
+def test_bad_inputs_raise():
+    idx, vals = _coo(6, 5, density=0.5, seed=2)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="indices\\[1\\]"):           # x too narrow for the columns
+        sparse_linear(torch.randn(3, 2, dtype=torch.float64), idx, vals, 6)
+    with pytest.raises(ValueError, match="indices\\[0\\]"):           # out_features too small
+        sparse_linear(x, idx, vals, 2)
+    with pytest.raises(ValueError, match="in_features"):
+        sparse_linear(x, idx, vals, 6, in_features=4)
+    with pytest.raises(TypeError, match="same dtype"):
+        sparse_linear(x.float(), idx, vals, 6)
+    with pytest.raises(ValueError, match="values must have shape"):
+        sparse_linear(x, idx, vals[:-1], 6)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        sparse_linear(x, idx, vals, 6, torch.zeros(5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="bias must have"):
+        sparse_linear(x, idx, vals, 6, torch.zeros(6, dtype=torch.float32))
+    with pytest.raises(ValueError, match="indices must have shape"):
+        sparse_linear(x, idx[0], vals, 6)
+    with pytest.raises(TypeError, match="floating"):
+        sparse_linear(x.long(), idx, vals, 6)
+    with pytest.raises(TypeError, match="integer dtype"):
+        sparse_linear(x, idx.double(), vals, 6)
+    with pytest.raises(ValueError, match="meta"):
+        sparse_linear(x.to("meta"), idx, vals.to("meta"), 6)
+    dup = torch.tensor([[0, 0, 1], [1, 1, 2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="duplicated"):
+        sparse_linear(x, dup, torch.ones(3, dtype=torch.float64), 6)
+    neg = torch.tensor([[0, 1], [-1, 2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="indices\\[1\\]"):
+        sparse_linear(x, neg, torch.ones(2, dtype=torch.float64), 6)
+
+
+# ---- topology cache ---------------------------------------------------------------------------------
+def test_topology_cached_and_rebuilt_on_change(monkeypatch):
+    idx, vals = _coo(10, 12, density=0.3, seed=8)
+    builds = []
+    real = backend._build_topology
+    monkeypatch.setattr(backend, "_build_topology", lambda *a: builds.append(1) or real(*a))
+    x = torch.randn(3, 12, dtype=torch.float64)
+    t1 = backend.get_topology(idx, (10, 12))
+    y1 = sparse_linear(x, idx, vals, 10)
+    sparse_linear(x, idx, vals, 10)
+    assert backend.get_topology(idx, (10, 12)) is t1 and len(builds) == 1
+    # a different shape is a different topology
+    backend.get_topology(idx, (10, 13))
+    assert len(builds) == 2
+    # an in-place change of the indices (as DST does) is seen, validated and used
+    new_idx, new_vals = _coo(10, 12, nnz=idx.shape[1], seed=99)
+    idx.copy_(new_idx)
+    y2 = sparse_linear(x, idx, new_vals, 10)
+    assert len(builds) == 3
+    torch.testing.assert_close(y2, x @ _dense(new_idx, new_vals, 10, 12).t(), atol=F64_ATOL, rtol=0)
+    assert not torch.allclose(y1, y2)
+    # an in-place change that breaks the order is caught at the rebuild
+    idx.copy_(idx.flip(1))
+    with pytest.raises(ValueError, match="row-major"):
+        sparse_linear(x, idx, new_vals, 10)
+
+
+def test_topology_cache_does_not_keep_indices_alive():
+    import gc
+    import weakref
+    idx, _ = _coo(10, 12, density=0.3, seed=8)
+    backend.get_topology(idx, (10, 12))
+    ref = weakref.ref(idx)
+    del idx
+    gc.collect()
+    assert ref() is None
+
+
+def test_force_reference_backend_and_backend_name():
+    idx, vals = _coo(20, 30, density=0.2, seed=6)
+    x = torch.randn(5, 30, dtype=torch.float32, generator=_gen(0))
+    y = sparse_linear(x, idx, vals.float(), 20)
+    with backend.force_backend("reference"):
+        assert backend.backend_name("cpu") == "reference"
+        y_ref = sparse_linear(x, idx, vals.float(), 20)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    assert backend.backend_name("cpu") in ("cpu", "reference")
+    with pytest.raises(ValueError):
+        with backend.force_backend("fastest"):
+            pass
+
+
+# ---- autocast ---------------------------------------------------------------------------------------
+def test_autocast_cpu_bf16():
+    idx, vals = _coo(24, 40, density=0.25, seed=12, dtype=torch.float32)
+    x = torch.randn(6, 40, generator=_gen(5))
+    v = vals.clone().requires_grad_()
+    b = torch.randn(24, generator=_gen(6), requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = sparse_linear(x, idx, v, 24, b)
+        yd = F.linear(x, _dense(idx, vals, 24, 40), b)
+    assert y.dtype == yd.dtype == torch.bfloat16
+    ref = F.linear(x, _dense(idx, vals, 24, 40), b)
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
+    y.float().sum().backward()
+    assert v.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    torch.testing.assert_close(v.grad, (torch.ones(6, 24).t() @ x)[idx[0].long(), idx[1].long()],
+                               atol=1e-4, rtol=1e-4)
+
+
+# ---- nothing of the dense weight's size ------------------------------------------------------------
+class _MaxNumel(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+        self.worst = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
+                self.max_numel, self.worst = t.numel(), func
+        return out
+
+
+@pytest.mark.parametrize("which", ["auto", "reference"])
+def test_no_dense_sized_allocation_in_forward_or_backward(which):
+    # torch ops are seen by the dispatch mode; the reference backend is all torch ops, the
+    # compiled CPU backend allocates its outputs through torch too
+    out_f, in_f, B = 1024, 1024, 4
+    layer = snack.SparseLinear(in_f, out_f, sparsity=0.99)
+    x = torch.randn(B, in_f, requires_grad=True)
+    with backend.force_backend(which), _MaxNumel() as mode:   # incl. the topology build
+        y = layer(x)
+        (y * y).sum().backward()
+    assert layer.values.grad is not None and x.grad is not None
+    assert mode.max_numel < out_f * in_f // 10, (mode.max_numel, mode.worst)
+
+
+def test_functional_alias():
+    import importlib
+    assert snack.functional.sparse_linear is sparse_linear
+    assert importlib.import_module("snack.functional") is snack.layers.functional

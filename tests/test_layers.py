@@ -1,0 +1,345 @@
+"""Tests of snack.SparseLinear: construction, forward/backward against the dense layer of its
+to_dense() weight (float64), from_dense, state_dict / torch.save round trips, optimizers, dtype
+and device moves, and input validation. GPU-marked tests compare the same on CUDA, under CUDA
+graph capture and under autocast.
+"""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import snack
+from snack import SparseLinear
+
+F64_ATOL = 1e-10
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _canonical_unique(idx, shape):
+    key = idx[0].long() * shape[1] + idx[1].long()
+    return bool((key[1:] > key[:-1]).all()) if key.numel() > 1 else True
+
+
+@pytest.mark.parametrize("in_f,out_f,sparsity", [(96, 40, 0.9), (333, 7, 0.5), (1, 1, 0.0), (7, 5, 0.95),
+                                                 (40, 96, 0.0)])
+def test_construction(in_f, out_f, sparsity):
+    layer = SparseLinear(in_f, out_f, sparsity=sparsity)
+    nnz = round((1 - sparsity) * in_f * out_f)
+    assert layer.nnz == nnz and layer.values.shape == (nnz,)
+    assert layer.indices.dtype == torch.int32 and layer.indices.shape == (2, nnz)
+    assert layer.in_features == in_f and layer.out_features == out_f
+    assert math.isclose(layer.sparsity, 1 - nnz / (in_f * out_f))
+    assert isinstance(layer.values, nn.Parameter) and isinstance(layer.bias, nn.Parameter)
+    assert layer.bias.shape == (out_f,)
+    assert "indices" in dict(layer.named_buffers())
+    idx = layer.indices
+    if nnz:
+        assert int(idx[0].min()) >= 0 and int(idx[0].max()) < out_f
+        assert int(idx[1].min()) >= 0 and int(idx[1].max()) < in_f
+    assert _canonical_unique(idx, (out_f, in_f))
+    bound = 1 / math.sqrt(in_f)
+    assert float(layer.values.detach().abs().max()) <= bound and float(layer.bias.detach().abs().max()) <= bound
+    assert f"nnz={nnz}" in repr(layer)
+
+
+def test_no_bias_and_dtype_device_args():
+    layer = SparseLinear(10, 6, bias=False, sparsity=0.5, dtype=torch.float64, device="cpu")
+    assert layer.bias is None and layer.values.dtype == torch.float64
+    assert layer.indices.dtype == torch.int32
+    x = torch.randn(3, 10, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), x @ layer.to_dense().t(), atol=F64_ATOL, rtol=0)
+
+
+def test_seeded_construction_is_reproducible():
+    torch.manual_seed(0)
+    a = SparseLinear(50, 30, sparsity=0.8)
+    torch.manual_seed(0)
+    b = SparseLinear(50, 30, sparsity=0.8)
+    c = SparseLinear(50, 30, sparsity=0.8)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+    assert not torch.equal(b.indices, c.indices)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 1.5, float("nan"), "0.5", True])
+def test_bad_sparsity(bad):
+    with pytest.raises(ValueError, match="sparsity"):
+        SparseLinear(8, 8, sparsity=bad)
+
+
+@pytest.mark.parametrize("in_f,out_f", [(0, 4), (4, 0), (-3, 4)])
+def test_bad_features(in_f, out_f):
+    with pytest.raises(ValueError, match="features"):
+        SparseLinear(in_f, out_f)
+    with pytest.raises(TypeError, match="in_features"):
+        SparseLinear(4.0, 4)
+
+
+@pytest.mark.parametrize("lead", [(7,), (2, 3), (), (1,)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_dense_and_masked_gradient(lead, bias):
+    torch.manual_seed(1)
+    layer = SparseLinear(33, 17, bias=bias, sparsity=0.7, dtype=torch.float64)
+    x = torch.randn(*lead, 33, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    w = layer.to_dense().detach().requires_grad_()
+    xd = x.detach().clone().requires_grad_()
+    bd = layer.bias.detach().clone().requires_grad_() if bias else None
+    yd = F.linear(xd, w, bd)
+    torch.testing.assert_close(y, yd, atol=F64_ATOL, rtol=0)
+    dy = torch.randn_like(yd)
+    y.backward(dy)
+    yd.backward(dy)
+    torch.testing.assert_close(x.grad, xd.grad, atol=F64_ATOL, rtol=0)
+    r, c = layer.indices.long()
+    torch.testing.assert_close(layer.values.grad, w.grad[r, c], atol=F64_ATOL, rtol=0)
+    if bias:
+        torch.testing.assert_close(layer.bias.grad, bd.grad, atol=F64_ATOL, rtol=0)
+
+
+def test_to_dense_is_differentiable_and_sparse():
+    layer = SparseLinear(20, 10, sparsity=0.8, dtype=torch.float64)
+    w = layer.to_dense()
+    assert w.shape == (10, 20) and int((w != 0).sum()) <= layer.nnz
+    w.sum().backward()
+    assert torch.equal(layer.values.grad, torch.ones_like(layer.values))
+
+
+def test_wrong_input_width():
+    layer = SparseLinear(12, 5)
+    with pytest.raises(ValueError, match="12"):
+        layer(torch.randn(3, 11))
+    with pytest.raises(TypeError, match="dtype"):
+        layer(torch.randn(3, 12, dtype=torch.float64))
+
+
+# ---- from_dense ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,sparsity", [((40, 96), 0.9), ((7, 333), 0.5), ((1, 1), 0.0), ((5, 3), 0.99)])
+def test_from_dense_keeps_largest(shape, sparsity):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(*shape, generator=g, dtype=torch.float64)
+    layer = SparseLinear.from_dense(w, sparsity=sparsity)
+    k = round((1 - sparsity) * w.numel())
+    assert layer.nnz == k and layer.indices.dtype == torch.int32
+    assert _canonical_unique(layer.indices, shape)
+    r, c = layer.indices.long()
+    torch.testing.assert_close(layer.values.detach(), w[r, c], atol=0, rtol=0)
+    if 0 < k < w.numel():
+        kept = w[r, c].abs().min()
+        mask = torch.zeros(shape, dtype=torch.bool)
+        mask[r, c] = True
+        assert float(w.abs()[~mask].max()) <= float(kept)
+    x = torch.randn(4, shape[1], dtype=torch.float64)
+    assert layer.bias is None
+    torch.testing.assert_close(layer(x), x @ (w * (layer.to_dense() != 0)).t(), atol=F64_ATOL, rtol=0)
+    assert layer.values.requires_grad
+
+
+def test_from_dense_ties_are_deterministic():
+    w = torch.ones(4, 5)
+    layer = SparseLinear.from_dense(w, sparsity=0.5)
+    assert layer.nnz == 10
+    # the first ten entries in row-major order win
+    assert layer.indices.tolist() == [[0] * 5 + [1] * 5, list(range(5)) * 2]
+    w2 = torch.tensor([[1.0, -3.0, 3.0], [0.5, -3.0, 2.0]])
+    l2 = SparseLinear.from_dense(w2, sparsity=0.5)
+    assert l2.indices.tolist() == [[0, 0, 1], [1, 2, 1]]
+
+
+def test_from_dense_linear_mask_and_nonzeros():
+    torch.manual_seed(4)
+    lin = nn.Linear(30, 20).double()
+    sl = SparseLinear.from_dense(lin, sparsity=0.75)
+    assert torch.equal(sl.bias.detach(), lin.bias.detach()) and sl.bias is not lin.bias
+    assert sl.values.dtype == torch.float64
+    mask = torch.rand(20, 30) < 0.3
+    ml = SparseLinear.from_dense(lin, mask=mask)
+    torch.testing.assert_close(ml.to_dense(), lin.weight.detach() * mask, atol=0, rtol=0)
+    assert ml.nnz == int(mask.sum())
+    x = torch.randn(6, 30, dtype=torch.float64)
+    torch.testing.assert_close(ml(x), F.linear(x, lin.weight * mask, lin.bias), atol=F64_ATOL, rtol=0)
+    pruned = lin.weight.detach() * mask
+    nz = SparseLinear.from_dense(pruned)
+    assert nz.nnz == int((pruned != 0).sum()) and nz.bias is None
+    with pytest.raises(ValueError, match="mask must have"):
+        SparseLinear.from_dense(lin, mask=mask.t())
+    with pytest.raises(ValueError, match="not both"):
+        SparseLinear.from_dense(lin, mask=mask, sparsity=0.5)
+    with pytest.raises(ValueError, match="sparsity"):
+        SparseLinear.from_dense(lin, sparsity=1.0)
+    with pytest.raises(ValueError, match="2-D"):
+        SparseLinear.from_dense(torch.randn(3, 4, 5))
+    with pytest.raises(TypeError):
+        SparseLinear.from_dense([[1.0]])
+    lin.weight.requires_grad_(False)
+    assert not SparseLinear.from_dense(lin, sparsity=0.5).values.requires_grad
+
+
+# ---- state, serialisation, moves ----------------------------------------------------------------
+def test_state_dict_round_trip_bit_for_bit():
+    torch.manual_seed(5)
+    a = SparseLinear(64, 48, sparsity=0.9)
+    torch.manual_seed(6)
+    b = SparseLinear(64, 48, sparsity=0.9)
+    assert not torch.equal(a.indices, b.indices)
+    x = torch.randn(5, 64)
+    b(x)                              # b's topology is cached before the load
+    sd = a.state_dict()
+    assert set(sd) == {"values", "indices", "bias"} and sd["indices"].dtype == torch.int32
+    b.load_state_dict(sd)
+    for k in sd:
+        assert torch.equal(getattr(b, k), sd[k]) and getattr(b, k).dtype == sd[k].dtype
+    assert torch.equal(a(x), b(x))    # the cached topology was rebuilt from the loaded indices
+
+
+def test_torch_save_load(tmp_path):
+    torch.manual_seed(7)
+    a = SparseLinear(20, 11, sparsity=0.6)
+    x = torch.randn(3, 20)
+    ya = a(x)
+    torch.save(a.state_dict(), tmp_path / "sd.pt")
+    torch.save(a, tmp_path / "module.pt")
+    b = SparseLinear(20, 11, sparsity=0.6)
+    b.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    c = torch.load(tmp_path / "module.pt", weights_only=False)
+    assert torch.equal(b(x), ya) and torch.equal(c(x), ya)
+    assert c.indices.dtype == torch.int32
+    d = copy.deepcopy(a)
+    assert torch.equal(d(x), ya)
+
+
+def test_dtype_moves_keep_int32_indices():
+    layer = SparseLinear(10, 8, sparsity=0.5)
+    idx = layer.indices.clone()
+    for move in (lambda m: m.to(dtype=torch.float64), lambda m: m.double(), lambda m: m.half(),
+                 lambda m: m.to(torch.float64), lambda m: m.type(torch.float64), lambda m: m.float()):
+        move(layer)
+        assert layer.indices.dtype == torch.int32 and torch.equal(layer.indices, idx)
+    layer.double()
+    assert layer.values.dtype == torch.float64 and layer.bias.dtype == torch.float64
+    y = layer(torch.randn(2, 10, dtype=torch.float64))
+    assert y.dtype == torch.float64
+    seq = nn.Sequential(layer).to(torch.float32)
+    assert seq[0].indices.dtype == torch.int32 and seq[0].values.dtype == torch.float32
+
+
+@pytest.mark.parametrize("opt_cls,kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                        (torch.optim.Adam, {"lr": 1e-2}), (torch.optim.AdamW, {"lr": 1e-2}),
+                                        (torch.optim.RMSprop, {"lr": 1e-2}), (torch.optim.Adagrad, {"lr": 0.1})])
+def test_optimizers_reduce_loss(opt_cls, kw):
+    torch.manual_seed(8)
+    teacher = SparseLinear(32, 16, sparsity=0.8)
+    student = SparseLinear(32, 16, sparsity=0.8)
+    student.indices.copy_(teacher.indices)        # same pattern: the loss can reach 0
+    opt = opt_cls(student.parameters(), **kw)
+    x = torch.randn(64, 32)
+    with torch.no_grad():
+        target = teacher(x)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = F.mse_loss(student(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0]
+    assert student.nnz == teacher.nnz and student.indices.dtype == torch.int32
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("lead,in_f,out_f,sparsity", [((7,), 96, 40, 0.9), ((2, 3), 333, 40, 0.95),
+                                                      ((1,), 1, 1, 0.0), ((128,), 512, 256, 0.99)])
+def test_cuda_matches_dense(lead, in_f, out_f, sparsity):
+    torch.manual_seed(9)
+    layer = SparseLinear(in_f, out_f, sparsity=sparsity, device="cuda")
+    assert layer.indices.is_cuda and layer.indices.dtype == torch.int32
+    x = torch.randn(*lead, in_f, device="cuda", requires_grad=True)
+    y = layer(x)
+    w = layer.to_dense().detach().double().requires_grad_()
+    xd = x.detach().double().requires_grad_()
+    yd = F.linear(xd, w, layer.bias.detach().double())
+    torch.testing.assert_close(y.double(), yd, atol=1e-4, rtol=1e-4)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yd.backward(dy.double())
+    torch.testing.assert_close(x.grad.double(), xd.grad, atol=1e-4, rtol=1e-4)
+    r, c = layer.indices.long()
+    torch.testing.assert_close(layer.values.grad.double(), w.grad[r, c], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_move_and_back():
+    layer = SparseLinear(30, 20, sparsity=0.7)
+    x = torch.randn(4, 30)
+    y = layer(x)
+    layer.cuda()
+    assert layer.indices.is_cuda and layer.indices.dtype == torch.int32
+    torch.testing.assert_close(layer(x.cuda()).cpu(), y, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cuda"):
+        layer(x)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_graph_training_step():
+    torch.manual_seed(10)
+    layer = SparseLinear(256, 128, sparsity=0.9, device="cuda")
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3, capturable=True)
+    x = torch.randn(16, 256, device="cuda")
+    target = torch.randn(16, 128, device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = F.mse_loss(layer(x), target)
+        loss.backward()
+        opt.step()
+        return loss
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_loss = step()
+    # inference graph with a poisoned output: replay must overwrite it
+    with torch.no_grad():
+        gi = torch.cuda.CUDAGraph()
+        layer(x)
+        with torch.cuda.graph(gi):
+            static_y = layer(x)
+    static_y.fill_(float("nan"))
+    gi.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        torch.testing.assert_close(static_y, F.linear(x, layer.to_dense(), layer.bias), atol=1e-4, rtol=1e-4)
+    values_before = layer.values.detach().clone()
+    static_loss.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(static_loss).all()
+    assert not torch.equal(values_before, layer.values.detach())
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_autocast(dtype):
+    torch.manual_seed(11)
+    layer = SparseLinear(128, 64, sparsity=0.9, device="cuda")
+    x = torch.randn(8, 128, device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        y = layer(x)
+        yd = F.linear(x, layer.to_dense(), layer.bias)
+    assert y.dtype == yd.dtype == dtype
+    torch.testing.assert_close(y.float(), F.linear(x, layer.to_dense(), layer.bias).detach(),
+                               atol=3e-2, rtol=3e-2)
+    y.float().sum().backward()
+    assert layer.values.grad.dtype == torch.float32 and torch.isfinite(layer.values.grad).all()

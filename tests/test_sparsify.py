@@ -1,0 +1,225 @@
+"""Tests of snack.sparsify: which modules are replaced (nn.Linear, transformers' Conv1D), that
+each keeps its largest-magnitude weights and its bias, uniform vs ERK totals, include/exclude,
+tied and MultiheadAttention weights left dense, and the summary.
+"""
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import snack
+from snack import SparseLinear, sparsify
+from snack.core import erk_densities
+from snack.layers.sparsify import SparsifySummary
+
+F64_ATOL = 1e-10
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
+                         nn.Linear(48, 10)).double()
+
+
+def _make_conv1d_class():
+    """A stand-in for transformers.pytorch_utils.Conv1D (weight (nx, nf), y = x @ W + b)."""
+    mod = types.ModuleType("transformers.pytorch_utils")
+
+    class Conv1D(nn.Module):
+        def __init__(self, nf, nx):
+            super().__init__()
+            self.nf = nf
+            self.weight = nn.Parameter(torch.randn(nx, nf, dtype=torch.float64) * 0.1)
+            self.bias = nn.Parameter(torch.randn(nf, dtype=torch.float64) * 0.1)
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+    Conv1D.__module__ = mod.__name__
+    mod.Conv1D = Conv1D
+    return Conv1D
+
+
+def _check_keeps_largest(layer: SparseLinear, w: torch.Tensor):
+    """layer holds round(density * n) entries of w, its values equal w there, and no dropped
+    entry is larger in magnitude than a kept one."""
+    r, c = layer.indices.long()
+    assert torch.equal(layer.values.detach(), w[r, c])
+    if 0 < layer.nnz < w.numel():
+        mask = torch.zeros_like(w, dtype=torch.bool)
+        mask[r, c] = True
+        assert float(w.abs()[~mask].max()) <= float(w[r, c].abs().min())
+
+
+def test_mlp_uniform():
+    model = _mlp()
+    dense = [m.weight.detach().clone() for m in model if isinstance(m, nn.Linear)]
+    biases = [m.bias.detach().clone() for m in model if isinstance(m, nn.Linear)]
+    out = sparsify(model, 0.8)
+    assert out is model
+    layers = [m for m in model if isinstance(m, SparseLinear)]
+    assert len(layers) == 3 and not any(isinstance(m, nn.Linear) for m in model.modules())
+    x = torch.randn(5, 20, dtype=torch.float64)
+    h = x
+    for layer, w, b in zip(layers, dense, biases):
+        assert layer.nnz == round(0.2 * w.numel())
+        assert layer.values.dtype == torch.float64 and layer.indices.dtype == torch.int32
+        assert torch.equal(layer.bias.detach(), b)
+        _check_keeps_largest(layer, w)
+        h = F.linear(h, layer.to_dense(), b)
+        if layer is not layers[-1]:
+            h = torch.relu(h)
+    torch.testing.assert_close(model(x), h, atol=F64_ATOL, rtol=0)
+    # the replaced model trains
+    loss = model(x).square().sum()
+    loss.backward()
+    assert all(l.values.grad is not None for l in layers)
+
+
+def test_erk_vs_uniform_totals():
+    shapes = [(64, 20), (48, 64), (10, 48)]
+    total = sum(a * b for a, b in shapes)
+    _, su = sparsify(_mlp(), 0.9, summary=True)
+    model, se = sparsify(_mlp(), 0.9, distribution="erk", summary=True)
+    assert isinstance(se, SparsifySummary)
+    for s in (su, se):
+        assert abs(s.nnz - 0.1 * total) <= len(shapes)           # rounding per layer only
+        assert s.weights_before == total
+    assert [r.shape for r in se.rows] == shapes
+    dens = erk_densities(shapes, 0.9)
+    for row, d, (o, i) in zip(se.rows, dens, shapes):
+        assert row.nnz == round(min(d, 1.0) * o * i)
+    # ERK: the small output layer is denser than the large middle layer
+    assert se.rows[2].density > se.rows[1].density
+    assert len({round(r.density, 2) for r in su.rows}) == 1
+
+
+def test_conv1d_from_transformers():
+    Conv1D = _make_conv1d_class()
+    torch.manual_seed(2)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn = Conv1D(36, 12)     # nf = 36 outputs, nx = 12 inputs
+            self.c_proj = Conv1D(12, 36)
+            self.head = nn.Linear(12, 5).double()
+
+        def forward(self, x):
+            return self.head(self.c_proj(torch.tanh(self.c_attn(x))))
+
+    model = Block()
+    w_attn = model.c_attn.weight.detach().t().clone()      # (out, in)
+    b_attn = model.c_attn.bias.detach().clone()
+    x = torch.randn(2, 3, 12, dtype=torch.float64)
+    sparsify(model, 0.5)
+    assert isinstance(model.c_attn, SparseLinear) and isinstance(model.c_proj, SparseLinear)
+    assert (model.c_attn.out_features, model.c_attn.in_features) == (36, 12)
+    _check_keeps_largest(model.c_attn, w_attn)
+    assert torch.equal(model.c_attn.bias.detach(), b_attn)
+    y = model(x)
+    assert y.shape == (2, 3, 5)
+    ref = F.linear(torch.tanh(F.linear(x, model.c_attn.to_dense(), model.c_attn.bias)),
+                   model.c_proj.to_dense(), model.c_proj.bias)
+    torch.testing.assert_close(y, F.linear(ref, model.head.to_dense(), model.head.bias), atol=F64_ATOL, rtol=0)
+    assert [r.kind for r in sparsify.last_summary.rows] == ["Conv1D", "Conv1D", "Linear"]
+
+
+def test_conv1d_outside_transformers_is_ignored():
+    class Conv1D(nn.Module):   # same name, not from transformers
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+
+    model = nn.Sequential(Conv1D(), nn.Linear(4, 4))
+    sparsify(model, 0.5)
+    assert isinstance(model[0], Conv1D) and isinstance(model[1], SparseLinear)
+
+
+def test_include_exclude():
+    model = nn.Sequential()
+    model.add_module("enc", nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    model.add_module("dec", nn.Linear(8, 4))
+    m1 = sparsify(_copy(model), 0.5, include=["enc.*"])
+    assert isinstance(m1.enc[0], SparseLinear) and isinstance(m1.enc[1], SparseLinear)
+    assert isinstance(m1.dec, nn.Linear)
+    m2 = sparsify(_copy(model), 0.5, exclude="enc.1")
+    assert isinstance(m2.enc[0], SparseLinear) and isinstance(m2.enc[1], nn.Linear)
+    assert isinstance(m2.dec, SparseLinear)
+    m3 = sparsify(_copy(model), 0.5, include=lambda name, m: m.out_features == 4)
+    assert isinstance(m3.dec, SparseLinear) and isinstance(m3.enc[0], nn.Linear)
+    m4 = sparsify(_copy(model), 0.5, include=["enc.*", "dec"], exclude=[lambda n, m: n.endswith("0")])
+    assert [type(m).__name__ for m in (m4.enc[0], m4.enc[1], m4.dec)] == ["Linear", "SparseLinear", "SparseLinear"]
+    with pytest.raises(TypeError, match="include"):
+        sparsify(_copy(model), 0.5, include=[3])
+
+
+def _copy(m):
+    import copy
+    return copy.deepcopy(m)
+
+
+def test_tied_and_attention_weights_are_left_dense():
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(30, 16)
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.mlp = nn.Linear(16, 16)
+            self.lm_head = nn.Linear(16, 30, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, ids):
+            h = self.wte(ids)
+            h = h + self.attn(h, h, h, need_weights=False)[0]
+            return self.lm_head(torch.relu(self.mlp(h)))
+
+    model = LM()
+    model, s = sparsify(model, 0.5, summary=True)
+    assert isinstance(model.mlp, SparseLinear)
+    assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is model.wte.weight
+    assert isinstance(model.attn.out_proj, nn.Linear)
+    assert {n for n, _ in s.skipped} == {"lm_head", "attn.out_proj"}
+    assert model(torch.randint(0, 30, (2, 5))).shape == (2, 5, 30)
+
+
+def test_shared_module_replaced_everywhere_and_frozen_kept():
+    shared = nn.Linear(6, 6)
+    shared.weight.requires_grad_(False)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    sparsify(model, 0.5)
+    assert isinstance(model[0], SparseLinear) and model[0] is model[2]
+    assert not model[0].values.requires_grad and model[0].bias.requires_grad
+    assert len(sparsify.last_summary.rows) == 1
+
+
+def test_root_linear_and_eval_mode():
+    lin = nn.Linear(10, 7)
+    out = sparsify(lin, 0.7)
+    assert isinstance(out, SparseLinear) and out.nnz == 21
+    model = _mlp().eval()
+    sparsify(model, 0.5)
+    assert not model[0].training
+
+
+def test_summary_table_and_bad_args():
+    model, s = sparsify(_mlp(), 0.75, summary=True)
+    assert snack.sparsify.last_summary is s
+    text = str(s)
+    for name in ("0", "2", "4", "total"):
+        assert any(line.split()[0] == name for line in text.splitlines()[1:])
+    assert s.params_before == sum(o * i + o for o, i in [(64, 20), (48, 64), (10, 48)])
+    assert s.params_after == s.nnz + 64 + 48 + 10
+    assert s.bytes_after == s.nnz * (8 + 8) + (64 + 48 + 10) * 8        # float64 value + 2 int32 + bias
+    assert s.bytes_before == s.params_before * 8
+    with pytest.raises(ValueError, match="distribution"):
+        sparsify(_mlp(), 0.5, distribution="er")
+    with pytest.raises(ValueError, match="sparsity"):
+        sparsify(_mlp(), 1.0)
+    with pytest.raises(TypeError, match="model"):
+        sparsify("model")
+    empty, s0 = sparsify(nn.ReLU(), 0.5, summary=True)
+    assert s0.rows == [] and s0.nnz == 0
