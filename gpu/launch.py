@@ -1,0 +1,194 @@
+"""Launching Numba-compiled kernels on torch tensors with little host overhead.
+
+Three paths, chosen once per process:
+- "driver" (default on a GPU): the kernel is compiled by Numba once per signature, then launched
+  with `cuda.bindings.driver.cuLaunchKernel` from a prebuilt parameter block (Numba's ABI: a 1-D
+  array argument is 7 machine words: meminfo, parent, nitems, itemsize, data, shape, stride).
+  Per call only the pointers and sizes are written into the block: a few microseconds of host
+  time instead of the 60-150 us of Numba's dispatcher. The stream is torch's *current* stream,
+  looked up at every call, so launches land inside `torch.cuda.graph` capture.
+- "numba": Numba's dispatcher on `cuda.as_cuda_array` views and `cuda.external_stream`, the
+  slow but simple reference path (SNACK_LAUNCH=numba selects it, for debugging).
+- "sim": Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) on CPU tensors viewed as numpy arrays;
+  used by the tests on machines without a GPU.
+Every kernel argument is a 1-D C-contiguous array or an int64 scalar; bfloat16 tensors are
+passed as their int16 bits (Numba has no bfloat16 array type).
+Trade-off: the driver path relies on Numba's kernel ABI and its compiled-kernel handle; a
+mismatch is caught at start-up by a self-check against the dispatcher path (see `self_check`).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import torch
+
+__all__ = ["launch_mode", "launch", "as_kernel_array", "device_properties"]
+
+_SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+_lock = threading.Lock()
+_mode = None
+
+
+def launch_mode() -> str:
+    """'sim', 'driver' or 'numba' (see the module docstring)."""
+    global _mode
+    if _mode is None:
+        if _SIM:
+            from .simulator import install
+            install()
+            _mode = "sim"
+        else:
+            _mode = os.environ.get("SNACK_LAUNCH", "driver")
+            if _mode not in ("driver", "numba"):
+                raise ValueError(f"SNACK_LAUNCH must be 'driver' or 'numba', got {_mode!r}")
+    return _mode
+
+
+def as_kernel_array(t: torch.Tensor) -> torch.Tensor:
+    """The 1-D view of `t` that kernels take: bfloat16 as int16 bits, everything flattened."""
+    t = t.reshape(-1)
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t
+
+
+_props_cache = {}
+
+
+def device_properties(device: torch.device):
+    """(multiprocessor count, max dynamic shared memory per block, shared memory per SM)."""
+    if launch_mode() == "sim":
+        return (2, 227 * 1024, 228 * 1024)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    p = _props_cache.get(idx)
+    if p is None:
+        props = torch.cuda.get_device_properties(idx)
+        optin = getattr(props, "shared_memory_per_block_optin", 48 * 1024)
+        per_sm = getattr(props, "shared_memory_per_multiprocessor", optin)
+        p = (props.multi_processor_count, int(optin), int(per_sm))
+        _props_cache[idx] = p
+    return p
+
+
+class _DriverKernel:
+    """One compiled kernel with a reusable parameter block (not thread-safe per instance)."""
+
+    def __init__(self, dispatcher, sig, n_arrays: int, n_scalars: int, max_smem: int):
+        from cuda.bindings import driver
+        self._driver = driver
+        kern = dispatcher.compile(sig)
+        cufunc = kern._codelibrary.get_cufunc()
+        self.handle = cufunc.handle
+        self.n_arrays = n_arrays
+        self.n_scalars = n_scalars
+        n = 7 * n_arrays + n_scalars
+        self.slots = np.zeros(n, dtype=np.int64)
+        base = self.slots.ctypes.data
+        self.ptrs = np.array([base + 8 * i for i in range(n)], dtype=np.uint64)
+        self.params = int(self.ptrs.ctypes.data)
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        dev = torch.cuda.current_device()
+        if isinstance(self.handle, driver.CUkernel):
+            err, = driver.cuKernelSetAttribute(attr, max_smem, self.handle, dev)
+        else:
+            err, = driver.cuFuncSetAttribute(self.handle, attr, max_smem)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cannot set the shared-memory limit of a SNACK kernel: {err}")
+        self._streams = {}
+
+    def __call__(self, grid, block, smem, arrays, scalars, stream_ptr):
+        s = self.slots
+        i = 0
+        for t in arrays:
+            n = t.numel()
+            isz = t.element_size()
+            s[i + 2] = n
+            s[i + 3] = isz
+            s[i + 4] = t.data_ptr()
+            s[i + 5] = n
+            s[i + 6] = isz
+            i += 7
+        for v in scalars:
+            s[i] = v
+            i += 1
+        st = self._streams.get(stream_ptr)
+        if st is None:
+            st = self._driver.CUstream(stream_ptr)
+            self._streams[stream_ptr] = st
+        err, = self._driver.cuLaunchKernel(self.handle, grid[0], grid[1], 1, block, 1, 1, smem,
+                                           st, self.params, 0)
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"SNACK kernel launch failed: {err}")
+
+
+_driver_kernels = {}
+_numba_streams = {}
+
+
+def _numba_sig(arrays, n_scalars):
+    from numba import types
+    from numba.np.numpy_support import from_dtype
+    tys = []
+    for t in arrays:
+        npdt = np.dtype(str(t.dtype).replace("torch.", ""))
+        tys.append(types.Array(from_dtype(npdt), 1, "C"))
+    tys += [types.int64] * n_scalars
+    return tuple(tys)
+
+
+def launch(dispatcher, grid, block, smem, arrays, scalars, device):
+    """Launches `dispatcher` (a numba.cuda.jit kernel) on torch's current stream.
+
+    arrays: 1-D contiguous tensors (see `as_kernel_array`); scalars: Python ints (int64 args).
+    grid: (gx, gy); block: threads per block (1-D); smem: dynamic shared memory in bytes.
+    """
+    mode = launch_mode()
+    if mode == "sim":
+        from numba import cuda
+        nps = [t.numpy() for t in arrays]
+        dispatcher[grid, block, 0, smem](*nps, *[np.int64(v) for v in scalars])
+        return
+    stream_ptr = torch.cuda.current_stream(device).cuda_stream
+    if mode == "driver":
+        key = (id(dispatcher), tuple(t.dtype for t in arrays), len(scalars))
+        k = _driver_kernels.get(key)
+        if k is None:
+            with _lock:
+                k = _driver_kernels.get(key)
+                if k is None:
+                    sig = _numba_sig(arrays, len(scalars))
+                    k = _DriverKernel(dispatcher, sig, len(arrays), len(scalars),
+                                      device_properties(device)[1])
+                    _driver_kernels[key] = k
+        k(grid, block, smem, arrays, scalars, stream_ptr)
+        return
+    from numba import cuda
+    st = _numba_streams.get(stream_ptr)
+    if st is None:
+        st = cuda.external_stream(stream_ptr)
+        _numba_streams[stream_ptr] = st
+    cas = [cuda.as_cuda_array(t) for t in arrays]
+    if smem > 48 * 1024:
+        _numba_raise_smem(dispatcher, _numba_sig(arrays, len(scalars)), device)
+    dispatcher[grid, block, st, smem](*cas, *[np.int64(v) for v in scalars])
+
+
+_numba_smem_done = set()
+
+
+def _numba_raise_smem(dispatcher, sig, device):
+    key = (id(dispatcher), sig)
+    if key in _numba_smem_done:
+        return
+    from cuda.bindings import driver
+    kern = dispatcher.compile(sig)
+    h = kern._codelibrary.get_cufunc().handle
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    mx = device_properties(device)[1]
+    if isinstance(h, driver.CUkernel):
+        driver.cuKernelSetAttribute(attr, mx, h, torch.cuda.current_device())
+    else:
+        driver.cuFuncSetAttribute(h, attr, mx)
+    _numba_smem_done.add(key)

@@ -1,0 +1,203 @@
+"""Launchers for the SNACK-COO kernels: validate, allocate, pick the variant and grid, launch.
+
+    spmm(x, topo, values, out=None)     Y (B, out) = X W^T          x (B, in)
+    spmm_t(dy, topo, values, out=None)  dX (B, in) = dY W           dy (B, out)
+    sddmm(dy, x, topo, out=None)        dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
+W is the (out, in) matrix of `topo` (a snack.core.Topology on the same device, canonical
+row-major) with `values` (nnz,) in that order. x, dy, values: float32, float16 or bfloat16, one
+dtype per call, on one CUDA device (CPU tensors under the Numba simulator); results have the
+inputs' dtype, accumulated in fp32. Launches go to torch's current stream (graph-capturable).
+
+Variant choice: the batch tile BT is the smallest power of two >= B, at most 8 (a warp holds
+32 / BT groups that stream different non-zeros of a row); the shared-memory tile (in * BT * 4
+bytes) must fit the block's limit (227 KB on H100/H200), else BT is halved; if even BT = 1
+does not fit (in > ~58000) the op falls back to torch index ops. Blocks own a batch tile and a
+range of rows; the grid is sized to fill every SM once.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from snack.core.coo import Topology
+from . import kernels
+from .launch import as_kernel_array, device_properties, launch, launch_mode
+
+__all__ = ["spmm", "spmm_t", "sddmm", "choose_tile"]
+
+_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_THREADS = 64 if launch_mode() == "sim" else 512  # the simulator runs one OS thread per CUDA thread
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device):
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the sparse matrix is on {device}")
+
+
+def _check_common(name: str, t, topo: Topology):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _KIND:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16 on the GPU, got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (B, features), got shape {tuple(t.shape)}")
+    dev = topo.device
+    if launch_mode() != "sim" and dev.type != "cuda":
+        raise ValueError(f"the sparse matrix must be on a CUDA device for snack.gpu, got {dev}")
+    _check_device(name, t, dev)
+
+
+def _check_values(values, topo: Topology, dtype):
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if values.shape != (topo.nnz,):
+        raise ValueError(f"values must have shape ({topo.nnz},), got {tuple(values.shape)}")
+    if values.dtype != dtype:
+        raise TypeError(f"values has dtype {values.dtype} but the dense operand has {dtype}")
+    _check_device("values", values, topo.device)
+
+
+def _check_out(out, shape, dtype, device):
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be a {tuple(shape)} {dtype} tensor on {device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    return out
+
+
+def choose_tile(batch: int, n_cols: int, device: torch.device, bt: Optional[int] = None):
+    """(BT, dynamic shared-memory bytes) for a dense operand of `batch` x `n_cols`, or
+    (None, 0) when even one batch column does not fit in shared memory."""
+    max_smem = device_properties(device)[1]
+    if bt is None:
+        bt = 1
+        while bt < batch and bt < 8:
+            bt *= 2
+    while bt >= 1 and n_cols * bt * 4 > max_smem:
+        bt //= 2
+    if bt < 1:
+        return None, 0
+    return bt, n_cols * bt * 4
+
+
+def _grid_rows(n_rows: int, ntiles: int, smem: int, device, threads: int):
+    n_sm, _, smem_sm = device_properties(device)
+    per_sm = max(1, min(2048 // threads, (smem_sm - 1024) // max(smem + 1024, 1)))
+    target = max(1, (n_sm * per_sm) // max(ntiles, 1))
+    nwarps = threads // 32
+    return max(1, min(target, -(-n_rows // nwarps)))
+
+
+def _perm32(topo: Topology) -> torch.Tensor:
+    p = topo.cache.get("col_perm_i32")
+    if p is None:
+        p = topo.col_perm.to(torch.int32).contiguous()
+        topo.cache["col_perm_i32"] = p
+    return p
+
+
+def _dummy_int(device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _run_spmm(x, ptr, idx, val, perm, y, n_rows, n_cols, bt, threads):
+    batch = x.shape[0]
+    tile, smem = choose_tile(batch, n_cols, x.device, bt)
+    if tile is None:
+        return False
+    ntiles = -(-batch // tile)
+    gy = _grid_rows(n_rows, ntiles, smem, x.device, threads)
+    kern = kernels.make_spmm_kernel(tile, _KIND[x.dtype], perm is not None)
+    if perm is None:
+        perm = ptr  # unused by the kernel
+    launch(kern, (ntiles, gy), threads, smem,
+           [as_kernel_array(x), ptr, idx, as_kernel_array(val), perm, as_kernel_array(y)],
+           [n_rows, n_cols, batch], x.device)
+    return True
+
+
+def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
+         *, bt: Optional[int] = None, threads: int = _THREADS) -> torch.Tensor:
+    """Y (B, out_features) = X W^T on the GPU; see the module docstring."""
+    _check_common("x", x, topo)
+    n_out, n_in = topo.shape
+    if x.shape[1] != n_in:
+        raise ValueError(f"x must have {n_in} columns (in_features), got shape {tuple(x.shape)}")
+    _check_values(values, topo, x.dtype)
+    y = _check_out(out, (x.shape[0], n_out), x.dtype, x.device)
+    if y.numel() == 0:
+        return y
+    if topo.nnz == 0:
+        return y.zero_()
+    x = x.contiguous()
+    values = values.contiguous()
+    if not _run_spmm(x, topo.row_ptr, topo.indices[1], values, None, y, n_out, n_in, bt, threads):
+        from snack.core.reference import spmm_reference
+        y.copy_(spmm_reference(x.float(), topo.indices, values.float(), n_out))
+    return y
+
+
+def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
+           *, bt: Optional[int] = None, threads: int = _THREADS) -> torch.Tensor:
+    """dX (B, in_features) = dY W on the GPU; see the module docstring."""
+    _check_common("dy", dy, topo)
+    n_out, n_in = topo.shape
+    if dy.shape[1] != n_out:
+        raise ValueError(f"dy must have {n_out} columns (out_features), got shape {tuple(dy.shape)}")
+    _check_values(values, topo, dy.dtype)
+    dx = _check_out(out, (dy.shape[0], n_in), dy.dtype, dy.device)
+    if dx.numel() == 0:
+        return dx
+    if topo.nnz == 0:
+        return dx.zero_()
+    dy = dy.contiguous()
+    values = values.contiguous()
+    if not _run_spmm(dy, topo.col_ptr, topo.rows_by_col, values, _perm32(topo), dx, n_in, n_out,
+                     bt, threads):
+        from snack.core.reference import spmm_t_reference
+        dx.copy_(spmm_t_reference(dy.float(), topo.indices, values.float(), n_in))
+    return dx
+
+
+def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch.Tensor] = None,
+          *, bt: Optional[int] = None, threads: int = _THREADS) -> torch.Tensor:
+    """dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k], on the GPU; see the module docstring."""
+    _check_common("dy", dy, topo)
+    _check_common("x", x, topo)
+    n_out, n_in = topo.shape
+    if dy.shape[1] != n_out:
+        raise ValueError(f"dy must have {n_out} columns (out_features), got shape {tuple(dy.shape)}")
+    if x.shape[1] != n_in:
+        raise ValueError(f"x must have {n_in} columns (in_features), got shape {tuple(x.shape)}")
+    if x.shape[0] != dy.shape[0]:
+        raise ValueError(f"x and dy must have the same batch size, got {x.shape[0]} and {dy.shape[0]}")
+    if x.dtype != dy.dtype:
+        raise TypeError(f"x has dtype {x.dtype} but dy has {dy.dtype}")
+    dv = _check_out(out, (topo.nnz,), x.dtype, x.device)
+    if dv.numel() == 0:
+        return dv
+    batch = x.shape[0]
+    if batch == 0 or n_in == 0:
+        return dv.zero_()
+    x = x.contiguous()
+    dy = dy.contiguous()
+    tile, smem = choose_tile(batch, n_in, x.device, bt)
+    if tile is None:
+        from snack.core.reference import sddmm_reference
+        return dv.copy_(sddmm_reference(dy.float(), x.float(), topo.indices))
+    ntiles = -(-batch // tile)
+    # fp32 partial sums across batch tiles (never aliased with dv: the simulator copies each
+    # argument back separately)
+    acc = torch.empty(topo.nnz if ntiles > 1 else 1, dtype=torch.float32, device=x.device)
+    gy = _grid_rows(n_out, 1, smem, x.device, threads)
+    kern = kernels.make_sddmm_kernel(tile, _KIND[x.dtype])
+    launch(kern, (1, gy), threads, smem,
+           [as_kernel_array(x), as_kernel_array(dy), topo.row_ptr, topo.indices[1],
+            as_kernel_array(dv), acc], [n_out, n_in, batch], x.device)
+    return dv
