@@ -1,0 +1,31 @@
+"""Runs every SNACK kernel variant once on small odd shapes and checks the results; meant to be run
+under `compute-sanitizer --tool memcheck` and `--tool racecheck` on the GPU machine.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def main():
+    import snack.gpu as G
+    from snack.core import COO
+    from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
+    worst = 0.0
+    for (o, i, B, d) in [(37, 53, 1, 0.3), (64, 29, 3, 0.2), (19, 77, 9, 0.5), (5, 40, 33, 0.9), (70, 11, 70, 0.1)]:
+        for dt in (torch.float32, torch.float16, torch.bfloat16):
+            coo = COO.random((o, i), density=d, seed=o + i, device="cuda", dtype=dt)
+            x = torch.randn(B, i, device="cuda", dtype=dt)
+            dy = torch.randn(B, o, device="cuda", dtype=dt)
+            t, v = coo.topology, coo.values
+            for got, ref in ((G.spmm(x, t, v), spmm_reference(x.double(), t.indices, v.double(), o)),
+                             (G.spmm_t(dy, t, v), spmm_t_reference(dy.double(), t.indices, v.double(), i)),
+                             (G.sddmm(dy, x, t), sddmm_reference(dy.double(), x.double(), t.indices))):
+                e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                worst = max(worst, e if dt == torch.float32 else e / 20)
+    torch.cuda.synchronize()
+    print(f"sanitize run done, worst scaled relative error {worst:.2e}")
+    assert worst < 1e-4
+
+
+if __name__ == "__main__":
+    main()
