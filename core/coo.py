@@ -24,6 +24,12 @@ _MAX_DIM = 2**31 - 1
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _seed_from_torch() -> int:
+    """A seed drawn from torch's global generator, so that torch.manual_seed makes it repeatable
+    (unlike torch.seed(), which would reseed the global generator non-deterministically)."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
 def _check_shape(shape) -> Tuple[int, int]:
     if isinstance(shape, torch.Size):
         shape = tuple(shape)
@@ -85,7 +91,7 @@ def canonicalize(indices: torch.Tensor, shape, values: Optional[torch.Tensor] = 
     rows, cols = _check_shape(shape)
     idx64 = indices.to(torch.int64)
     key = idx64[0] * max(cols, 1) + idx64[1]
-    if key.numel() > 1 and bool((key[1:] > key[:-1]).all()):
+    if key.numel() <= 1 or bool((key[1:] > key[:-1]).all()):
         return indices.to(INDEX_DTYPE).contiguous(), values, True
     key_sorted, order = torch.sort(key, stable=True)
     if key_sorted.numel() > 1:
@@ -248,6 +254,12 @@ class COO:
 
     def with_values(self, values: torch.Tensor) -> "COO":
         """A COO with the same topology (and cached metadata) and new values (nnz,)."""
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+        if values.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"values must be a floating tensor (float16/bfloat16/float32/float64), got {values.dtype}")
+        if values.device != self.topology.device:
+            raise ValueError(f"values is on {values.device} but the indices are on {self.topology.device}")
         if values.shape != (self.nnz,):
             raise ValueError(f"values must have shape ({self.nnz},), got {tuple(values.shape)}")
         return COO(None, values, None, check=False, topology=self.topology)
@@ -266,6 +278,8 @@ class COO:
             raise TypeError(f"dense must be a torch.Tensor, got {type(dense).__name__}")
         if dense.dim() != 2:
             raise ValueError(f"dense must be 2-D, got shape {tuple(dense.shape)}")
+        if dense.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dense must be a floating tensor (float16/bfloat16/float32/float64), got {dense.dtype}")
         if mask is None:
             mask = dense != 0
         else:
@@ -332,10 +346,11 @@ class COO:
         """A torch sparse tensor (sparse_coo, coalesced, or sparse_csr) with the same entries."""
         if layout == torch.sparse_coo:
             return torch.sparse_coo_tensor(self.indices.to(torch.int64), self.values, self.shape,
-                                           is_coalesced=True)
+                                           is_coalesced=True, check_invariants=False)
         if layout == torch.sparse_csr:
             return torch.sparse_csr_tensor(self.topology.row_ptr.to(torch.int64),
-                                           self.indices[1].to(torch.int64), self.values, self.shape)
+                                           self.indices[1].to(torch.int64), self.values, self.shape,
+                                           check_invariants=False)
         raise ValueError(f"layout must be torch.sparse_coo or torch.sparse_csr, got {layout}")
 
     # ---- random topologies ---------------------------------------------------------------
@@ -347,8 +362,9 @@ class COO:
         entries, built without a dense matrix; values ~ N(0, 1) ('normal') or ones ('ones')."""
         from .topology import uniform_indices
         rows, cols = _check_shape(shape)
-        g = generator if generator is not None else torch.Generator().manual_seed(
-            seed if seed is not None else int(torch.seed() % (2**63)))
+        if generator is None:  # without a seed, draw one from torch's global generator
+            generator = torch.Generator().manual_seed(seed if seed is not None else _seed_from_torch())
+        g = generator
         idx = uniform_indices((rows, cols), density=density, nnz=nnz, generator=g)
         if init == "normal":
             vals = torch.randn(idx.shape[1], generator=g, dtype=torch.float64).to(dtype)

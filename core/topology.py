@@ -16,6 +16,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .coo import _check_shape, _seed_from_torch
+
 __all__ = ["uniform_indices", "erdos_renyi_density", "erk_densities", "density_to_nnz"]
 
 
@@ -54,10 +56,10 @@ def uniform_indices(shape: Tuple[int, int], *, density: Optional[float] = None,
                     nnz: Optional[int] = None, generator: Optional[torch.Generator] = None,
                     seed: Optional[int] = None) -> torch.Tensor:
     """int32 (2, nnz) indices, row-major sorted, distinct, uniform over all coordinates (CPU)."""
-    rows, cols = int(shape[0]), int(shape[1])
+    rows, cols = _check_shape(shape)
     k = density_to_nnz((rows, cols), density, nnz)
     g = generator if generator is not None else torch.Generator().manual_seed(
-        seed if seed is not None else int(torch.seed() % (2**63)))
+        seed if seed is not None else _seed_from_torch())
     n = rows * cols
     if k == 0:
         return torch.empty(2, 0, dtype=torch.int32)
@@ -73,7 +75,9 @@ def uniform_indices(shape: Tuple[int, int], *, density: Optional[float] = None,
 
 def erdos_renyi_density(shape: Tuple[int, int], epsilon: float = 20.0) -> float:
     """SET's Erdos-Renyi density eps * (rows + cols) / (rows * cols), capped at 1."""
-    rows, cols = shape
+    rows, cols = _check_shape(shape)
+    if rows == 0 or cols == 0:
+        raise ValueError(f"shape must have rows > 0 and cols > 0, got {(rows, cols)}")
     if epsilon <= 0:
         raise ValueError(f"epsilon must be positive, got {epsilon}")
     return min(1.0, epsilon * (rows + cols) / (rows * cols))
@@ -82,8 +86,12 @@ def erdos_renyi_density(shape: Tuple[int, int], epsilon: float = 20.0) -> float:
 def erk_densities(shapes: Sequence[Tuple[int, int]], sparsity: float) -> List[float]:
     """Per-layer densities so that sum(density_i * n_i) = (1 - sparsity) * sum(n_i), with density_i
     proportional to (rows_i + cols_i) / (rows_i * cols_i) and at most 1 (RigL's ERK rule)."""
-    if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
+    shapes = [_check_shape(s) for s in shapes]
+    for r, c in shapes:
+        if r == 0 or c == 0:
+            raise ValueError(f"shapes must have rows > 0 and cols > 0, got {(r, c)}")
     sizes = [r * c for r, c in shapes]
     raw = [(r + c) / (r * c) for r, c in shapes]
     dense = set()

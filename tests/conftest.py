@@ -1,0 +1,78 @@
+"""Shared test settings: tolerances per dtype, seeded generators, GPU skipping, hypothesis profile.
+
+Tolerances are set here once per dtype and used by every numerical test (`assert_close_dtype`).
+They follow the rule "at most a couple of times torch's own error at that dtype": float64 and
+float32 compare sums of a few hundred products, float16/bfloat16 results are rounded once from
+float32 accumulators, so their error is about one rounding of the output (2**-11 / 2**-8
+relative). Index results are always compared exactly.
+Trade-off: hypothesis runs few examples (profile "snack", selected by default; "snack-long"
+via --hypothesis-profile) so that the suite stays fast on a 2-core CI machine.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("snack", deadline=None, max_examples=25, derandomize=True,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("snack-long", deadline=None, max_examples=500,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("snack")
+except ImportError:  # hypothesis is a test extra; property tests skip themselves without it
+    pass
+
+
+# (rtol, atol) for a result of this dtype against a float64 reference computed from the same
+# (already rounded) inputs.
+TOLERANCES = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (4e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
+
+
+def tolerance(dtype: torch.dtype):
+    """(rtol, atol) for comparing a `dtype` result against a float64 reference."""
+    return TOLERANCES[dtype]
+
+
+def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = None, **kw):
+    """assert_close with the tolerance of `dtype` (default: actual's dtype), compared in float64."""
+    rtol, atol = tolerance(dtype or actual.dtype)
+    torch.testing.assert_close(actual.detach().to(torch.float64), expected.detach().to(torch.float64),
+                               rtol=rtol, atol=atol, **kw)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skips tests marked `gpu` where torch sees no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A seed fixed per test (a hash of its id): reruns are reproducible, tests differ."""
+    return zlib.crc32(request.node.nodeid.encode()) & 0x7FFFFFFF
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    """A torch.Generator seeded per test."""
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    """A numpy Generator seeded per test."""
+    return np.random.default_rng(seed)

@@ -1,0 +1,388 @@
+"""Tests of the COO format: validation, canonical order, topology metadata, conversions.
+
+scipy.sparse is the oracle for the metadata (CSR row pointers, CSC order) and the conversions;
+hypothesis generates random coordinate sets (including empty ones and 1 x 1 matrices).
+Trade-off: small shapes only, so the whole file runs in a few seconds.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from snack.core import COO, INDEX_DTYPE, Topology, canonicalize, validate_coo
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, strategies as st  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
+              pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")]
+
+SHAPES = [(7, 96), (40, 333), (1, 1), (5, 1), (1, 9), (96, 7)]
+
+
+def random_coords(rng, shape, nnz):
+    """nnz distinct coordinates in a random (unsorted) order, int64 (2, nnz)."""
+    flat = rng.choice(shape[0] * shape[1], size=nnz, replace=False)
+    return torch.from_numpy(np.stack([flat // shape[1], flat % shape[1]]).astype(np.int64))
+
+
+def dense_from(idx, vals, shape):
+    d = torch.zeros(shape, dtype=vals.dtype)
+    d[idx[0].long(), idx[1].long()] = vals
+    return d
+
+
+# ---- validation -------------------------------------------------------------------------------
+def test_valid_minimal():
+    c = COO(torch.tensor([[0], [0]]), torch.tensor([2.0]), (1, 1))
+    assert c.nnz == 1 and c.shape == (1, 1) and c.indices.dtype == INDEX_DTYPE
+    assert c.to_dense().item() == 2.0
+
+
+@pytest.mark.parametrize("shape, exc, match", [
+    ((3,), ValueError, "shape"),
+    ((3, 4, 5), ValueError, "shape"),
+    ("ab", ValueError, "shape"),
+    ((3.0, 4), TypeError, "shape"),
+    ((3, True), TypeError, "shape"),
+    ((-1, 4), ValueError, "shape"),
+    ((3, 2**31), ValueError, "shape"),
+])
+def test_bad_shape(shape, exc, match):
+    with pytest.raises(exc, match=match):
+        COO(torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0), shape)
+
+
+def test_shape_accepts_torch_size_and_numpy_ints():
+    c = COO(torch.tensor([[1], [2]]), torch.ones(1), torch.Size([2, 3]))
+    assert c.shape == (2, 3)
+    c = COO(torch.tensor([[1], [2]]), torch.ones(1), (np.int64(2), np.int32(3)))
+    assert c.shape == (2, 3) and all(type(s) is int for s in c.shape)
+
+
+@pytest.mark.parametrize("indices, exc", [
+    ([[0], [0]], TypeError),                                       # not a tensor
+    (np.zeros((2, 1), dtype=np.int64), TypeError),                 # numpy, not torch
+    (torch.zeros(2, 1), TypeError),                                # float indices
+    (torch.zeros(2, 1, dtype=torch.bool), TypeError),              # bool indices
+    (torch.zeros(3, 1, dtype=torch.int64), ValueError),            # 3 rows
+    (torch.zeros(2, dtype=torch.int64), ValueError),               # 1-D
+    (torch.zeros(1, 2, 1, dtype=torch.int64), ValueError),         # 3-D
+])
+def test_bad_indices_type_and_shape(indices, exc):
+    with pytest.raises(exc, match="indices"):
+        COO(indices, torch.ones(1), (4, 4))
+
+
+@pytest.mark.parametrize("bad, which", [
+    ([[4], [0]], "rows"), ([[0], [5]], "columns"), ([[-1], [0]], "rows"), ([[0], [-3]], "columns"),
+])
+def test_indices_out_of_range(bad, which):
+    with pytest.raises(ValueError, match=rf"indices.*{which}"):
+        COO(torch.tensor(bad), torch.ones(1), (4, 5))
+
+
+def test_out_of_range_in_any_position(rng):
+    idx = random_coords(rng, (6, 7), 12)
+    idx[1, 5] = 7
+    with pytest.raises(ValueError, match=r"indices\[1\].*\[0, 7\).*\[\d+, 7\]"):
+        COO(idx, torch.ones(12), (6, 7))
+
+
+def test_duplicates_rejected(rng):
+    idx = random_coords(rng, (9, 11), 20)
+    idx = torch.cat([idx, idx[:, 3:4]], dim=1)  # one coordinate twice, not adjacent
+    with pytest.raises(ValueError, match="indices.*duplicated"):
+        COO(idx, torch.ones(21), (9, 11))
+    with pytest.raises(ValueError, match="indices.*duplicated"):
+        canonicalize(idx, (9, 11))
+
+
+def test_duplicates_rejected_even_when_sorted():
+    idx = torch.tensor([[0, 1, 1, 2], [3, 2, 2, 0]])
+    with pytest.raises(ValueError, match=r"indices.*duplicated.*row 1, column 2"):
+        COO(idx, torch.ones(4), (3, 4))
+
+
+@pytest.mark.parametrize("values, exc, match", [
+    ([1.0, 2.0], TypeError, "values must be a torch.Tensor"),
+    (torch.ones(3), ValueError, r"values must have shape \(2,\).*\(3,\)"),
+    (torch.ones(1), ValueError, r"values must have shape \(2,\)"),
+    (torch.ones(2, 1), ValueError, r"values must have shape"),
+    (torch.ones(2, dtype=torch.int64), TypeError, "values must be a floating.*int64"),
+    (torch.ones(2, dtype=torch.bool), TypeError, "values must be a floating"),
+    (torch.ones(2, dtype=torch.complex64), TypeError, "values must be a floating"),
+])
+def test_bad_values(values, exc, match):
+    with pytest.raises(exc, match=match):
+        COO(torch.tensor([[0, 1], [1, 0]]), values, (2, 2))
+
+
+def test_values_on_other_device():
+    with pytest.raises(ValueError, match="values is on meta.*indices is on cpu"):
+        COO(torch.tensor([[0], [0]]), torch.ones(1, device="meta"), (2, 2))
+
+
+def test_validate_coo_returns_shape():
+    assert validate_coo(torch.tensor([[0], [1]]), None, (3, 2)) == (3, 2)
+    assert validate_coo(torch.zeros(2, 0, dtype=torch.int32), torch.zeros(0), (0, 0)) == (0, 0)
+
+
+# ---- canonical order ---------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_unsorted_input_is_sorted_row_major(rng, shape, idx_dtype):
+    nnz = max(1, shape[0] * shape[1] // 3)
+    idx = random_coords(rng, shape, nnz).to(idx_dtype)
+    vals = torch.from_numpy(rng.standard_normal(nnz))
+    c = COO(idx, vals, shape)
+    assert c.indices.dtype == torch.int32 and c.indices.is_contiguous()
+    r, col = c.indices[0].long(), c.indices[1].long()
+    key = r * shape[1] + col
+    assert bool((key[1:] > key[:-1]).all())
+    # each (coordinate, value) pair survives the sort
+    expect = sorted(zip(idx[0].tolist(), idx[1].tolist(), vals.tolist()))
+    got = list(zip(r.tolist(), col.tolist(), c.values.tolist()))
+    assert got == expect
+    torch.testing.assert_close(c.to_dense(), dense_from(idx, vals, shape), rtol=0, atol=0)
+
+
+def test_canonicalize_reports_sorted():
+    idx = torch.tensor([[0, 0, 2], [1, 3, 0]])
+    out, vals, already = canonicalize(idx, (3, 4), torch.arange(3.0))
+    assert already and out.dtype == torch.int32 and torch.equal(vals, torch.arange(3.0))
+    out, vals, already = canonicalize(idx[:, [2, 0, 1]], (3, 4), torch.tensor([2.0, 0.0, 1.0]))
+    assert not already and torch.equal(out, idx.int()) and torch.equal(vals, torch.arange(3.0))
+    for n in (0, 1):
+        _, _, already = canonicalize(idx[:, :n], (3, 4))
+        assert already
+
+
+# ---- metadata vs scipy ------------------------------------------------------------------------
+@pytest.mark.parametrize("shape, density", [((7, 96), 0.2), ((40, 333), 0.05), ((1, 1), 1.0),
+                                            ((33, 17), 0.0), ((50, 3), 0.5), ((3, 50), 0.5)])
+def test_metadata_matches_scipy(gen, shape, density):
+    c = COO.random(shape, density=density, generator=gen, dtype=torch.float64)
+    t = c.topology
+    csr = c.to_scipy("csr")
+    csc = c.to_scipy("coo").tocsc()
+    csc.sort_indices()
+    np.testing.assert_array_equal(t.row_ptr.numpy(), csr.indptr)
+    np.testing.assert_array_equal(t.cols.numpy(), csr.indices)
+    np.testing.assert_array_equal(t.col_ptr.numpy(), csc.indptr)
+    np.testing.assert_array_equal(t.rows_by_col.numpy(), csc.indices)
+    np.testing.assert_array_equal(c.values[t.col_perm].numpy(), csc.data)
+    np.testing.assert_array_equal(t.cols_by_col.numpy(), np.repeat(np.arange(shape[1]), np.diff(csc.indptr)))
+    assert t.row_ptr.dtype == torch.int32 and t.col_ptr.dtype == torch.int32
+    assert t.rows_by_col.dtype == torch.int32 and t.col_perm.dtype == torch.int64
+    assert t.row_ptr.shape == (shape[0] + 1,) and t.col_ptr.shape == (shape[1] + 1,)
+    # col_perm is a permutation
+    assert torch.equal(torch.sort(t.col_perm).values, torch.arange(c.nnz))
+
+
+def test_metadata_is_cached_and_shared():
+    c = COO.random((20, 30), density=0.3, seed=3)
+    t = c.topology
+    assert t.row_ptr is t.row_ptr and t.col_perm is t.col_perm
+    c2 = c.with_values(torch.randn(c.nnz))
+    assert c2.topology is t and c2.values is not c.values
+    c3 = c.to(dtype=torch.float64)
+    assert c3.topology is t and c3.dtype == torch.float64
+    assert c.to("cpu").topology is t
+    torch.testing.assert_close(c3.to_dense(), c.to_dense().double(), rtol=0, atol=0)
+
+
+def test_empty_rows_and_columns():
+    idx = torch.tensor([[1, 1, 4], [0, 5, 5]])
+    c = COO(idx, torch.tensor([1.0, 2.0, 3.0]), (6, 7))
+    assert c.topology.row_ptr.tolist() == [0, 0, 2, 2, 2, 3, 3]
+    assert c.topology.col_ptr.tolist() == [0, 1, 1, 1, 1, 1, 3, 3]
+    assert c.topology.rows_by_col.tolist() == [1, 1, 4]
+    assert c.topology.col_perm.tolist() == [0, 1, 2]
+
+
+def test_nnz_zero_and_zero_sized():
+    for shape in [(0, 0), (0, 5), (5, 0), (4, 4)]:
+        c = COO(torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0), shape)
+        assert c.nnz == 0 and c.to_dense().shape == shape and c.to_dense().abs().sum() == 0
+        assert c.topology.row_ptr.tolist() == [0] * (shape[0] + 1)
+        assert c.topology.col_ptr.tolist() == [0] * (shape[1] + 1)
+        assert c.to_scipy().nnz == 0
+    assert COO(torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0), (0, 5)).density == 0.0
+
+
+def test_properties_and_repr():
+    c = COO.random((10, 20), nnz=50, seed=0)
+    assert c.nnz == 50 and c.density == 0.25 and c.sparsity == 0.75
+    assert c.device == torch.device("cpu") and c.dtype == torch.float32
+    assert "nnz=50" in repr(c) and "(10, 20)" in repr(c)
+
+
+def test_with_values_checks():
+    c = COO.random((4, 5), nnz=6, seed=0)
+    with pytest.raises(ValueError, match=r"values must have shape \(6,\)"):
+        c.with_values(torch.ones(5))
+    with pytest.raises(TypeError, match="values must be a torch.Tensor"):
+        c.with_values([1.0] * 6)
+    with pytest.raises(TypeError, match="values must be a floating"):
+        c.with_values(torch.ones(6, dtype=torch.int32))
+
+
+# ---- conversions -------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_dense_round_trip(gen, shape, dtype):
+    c = COO.random(shape, density=0.3, generator=gen, dtype=dtype)
+    d = c.to_dense()
+    assert d.dtype == dtype and d.shape == shape
+    back = COO.from_dense(d)
+    # random values are never exactly 0, so the pattern is recovered
+    assert torch.equal(back.indices, c.indices) and torch.equal(back.values, c.values)
+
+
+def test_from_dense_with_mask_keeps_explicit_zeros(gen):
+    d = torch.randn(6, 8, generator=gen)
+    mask = torch.rand(6, 8, generator=gen) < 0.4
+    d[0, :] = 0.0
+    mask[0, :3] = True
+    c = COO.from_dense(d, mask=mask)
+    assert c.nnz == int(mask.sum())
+    assert torch.equal(c.to_dense(), d * mask)
+    with pytest.raises(ValueError, match="mask must have the shape"):
+        COO.from_dense(d, mask=mask[:, :4])
+    with pytest.raises(TypeError, match="mask"):
+        COO.from_dense(d, mask=mask.numpy())
+    with pytest.raises(ValueError, match="dense must be 2-D"):
+        COO.from_dense(torch.ones(3))
+    with pytest.raises(TypeError, match="dense must be a torch.Tensor"):
+        COO.from_dense(np.ones((3, 3)))
+    with pytest.raises(TypeError, match="dense must be a floating"):
+        COO.from_dense(torch.ones(3, 3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_scipy_round_trip(rng, shape):
+    m = sp.random(*shape, density=0.3, format="coo", random_state=rng, dtype=np.float64)
+    # scipy's random is sorted column-major; shuffle to be sure we sort
+    perm = rng.permutation(m.nnz)
+    m = sp.coo_matrix((m.data[perm], (m.row[perm], m.col[perm])), shape=shape)
+    c = COO.from_scipy(m, dtype=torch.float64)
+    np.testing.assert_array_equal(c.to_dense().numpy(), m.toarray())
+    for fmt in ("coo", "csr"):
+        back = c.to_scipy(fmt)
+        assert back.format == fmt
+        np.testing.assert_array_equal(back.toarray(), m.toarray())
+    csr = c.to_scipy("csr")
+    np.testing.assert_array_equal(csr.indptr, c.topology.row_ptr.numpy())
+    assert torch.equal(COO.from_scipy(m.tocsr(), dtype=torch.float64).indices, c.indices)
+    assert torch.equal(COO.from_scipy(m.tocsc(), dtype=torch.float64).values, c.values)
+
+
+def test_scipy_errors_and_half_precision():
+    with pytest.raises(TypeError, match="mat must be a scipy.sparse"):
+        COO.from_scipy(np.eye(3))
+    dup = sp.coo_matrix((np.ones(2), ([0, 0], [1, 1])), shape=(2, 2))
+    with pytest.raises(ValueError, match="indices.*duplicated"):
+        COO.from_scipy(dup)
+    c = COO.random((5, 6), density=0.5, seed=0, dtype=torch.bfloat16)
+    m = c.to_scipy()
+    assert m.dtype == np.float64
+    np.testing.assert_array_equal(m.toarray(), c.to_dense().double().numpy())
+    with pytest.raises(ValueError, match="format"):
+        c.to_scipy("csc")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr])
+def test_torch_sparse_round_trip(gen, shape, layout):
+    c = COO.random(shape, density=0.3, generator=gen, dtype=torch.float64)
+    t = c.to_torch_sparse(layout)
+    assert t.layout == layout
+    torch.testing.assert_close(t.to_dense(), c.to_dense(), rtol=0, atol=0)
+    back = COO.from_torch_sparse(t)
+    assert torch.equal(back.indices, c.indices) and torch.equal(back.values, c.values)
+
+
+def test_torch_sparse_uncoalesced_and_errors():
+    i = torch.tensor([[2, 0, 1], [0, 1, 1]])
+    t = torch.sparse_coo_tensor(i, torch.tensor([3.0, 1.0, 2.0]), (3, 2))
+    c = COO.from_torch_sparse(t)  # unsorted, uncoalesced but no duplicates
+    assert c.indices.tolist() == [[0, 1, 2], [1, 1, 0]] and c.values.tolist() == [1.0, 2.0, 3.0]
+    dup = torch.sparse_coo_tensor(torch.tensor([[0, 0], [1, 1]]), torch.ones(2), (2, 2))
+    with pytest.raises(ValueError, match="indices.*duplicated"):
+        COO.from_torch_sparse(dup)
+    with pytest.raises(ValueError, match="layout"):
+        COO.from_torch_sparse(torch.ones(2, 2))
+    with pytest.raises(TypeError, match="t must be a torch.Tensor"):
+        COO.from_torch_sparse(np.ones((2, 2)))
+    with pytest.raises(ValueError, match="layout"):
+        COO.random((2, 2), nnz=1, seed=0).to_torch_sparse(torch.strided)
+
+
+def test_random_init_and_determinism():
+    a = COO.random((30, 40), density=0.1, seed=5)
+    b = COO.random((30, 40), density=0.1, seed=5)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+    assert a.nnz == 120
+    ones = COO.random((30, 40), nnz=7, seed=5, init="ones", dtype=torch.float64)
+    assert ones.dtype == torch.float64 and bool((ones.values == 1).all())
+    with pytest.raises(ValueError, match="init"):
+        COO.random((3, 3), nnz=1, seed=0, init="zeros")
+    torch.manual_seed(11)
+    c = COO.random((30, 40), density=0.1)
+    after = torch.rand(1)
+    torch.manual_seed(11)
+    d = COO.random((30, 40), density=0.1)
+    assert torch.equal(c.indices, d.indices) and torch.equal(torch.rand(1), after)
+
+
+# ---- property tests ----------------------------------------------------------------------------
+@st.composite
+def coo_case(draw):
+    rows = draw(st.integers(1, 12))
+    cols = draw(st.integers(1, 12))
+    flat = draw(st.lists(st.integers(0, rows * cols - 1), unique=True, max_size=rows * cols))
+    vals = draw(st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=len(flat),
+                         max_size=len(flat)))
+    return rows, cols, flat, vals
+
+
+@given(coo_case())
+def test_property_canonical_and_consistent(case):
+    rows, cols, flat, vals = case
+    idx = torch.tensor([[f // cols for f in flat], [f % cols for f in flat]], dtype=torch.int64).reshape(2, -1)
+    v = torch.tensor(vals, dtype=torch.float64)
+    c = COO(idx, v, (rows, cols))
+    key = c.indices[0].long() * cols + c.indices[1].long()
+    assert key.tolist() == sorted(flat)
+    ref = np.zeros((rows, cols))
+    for f, x in zip(flat, vals):
+        ref[f // cols, f % cols] = x
+    np.testing.assert_array_equal(c.to_dense().numpy(), ref)
+    m = sp.csr_array(ref)
+    m.eliminate_zeros()
+    t = c.topology
+    counts = np.diff(t.row_ptr.numpy())
+    assert counts.sum() == len(flat) and (counts == np.bincount([f // cols for f in flat], minlength=rows)).all()
+    ccounts = np.diff(t.col_ptr.numpy())
+    assert (ccounts == np.bincount([f % cols for f in flat], minlength=cols)).all()
+    # column order: sorted by (column, row)
+    ckey = t.cols_by_col.long() * rows + t.rows_by_col.long()
+    assert bool((ckey[1:] > ckey[:-1]).all()) if c.nnz > 1 else True
+    assert torch.equal(c.indices[0][t.col_perm], t.rows_by_col)
+    np.testing.assert_array_equal(c.to_scipy().toarray(), ref)
+    back = COO.from_torch_sparse(c.to_torch_sparse(torch.sparse_csr))
+    assert torch.equal(back.indices, c.indices) and torch.equal(back.values, c.values)
+
+
+@given(coo_case(), st.integers(0, 2**31 - 1))
+def test_property_duplicate_always_rejected(case, which):
+    rows, cols, flat, vals = case
+    if not flat:
+        return
+    flat = flat + [flat[which % len(flat)]]
+    idx = torch.tensor([[f // cols for f in flat], [f % cols for f in flat]], dtype=torch.int64)
+    with pytest.raises(ValueError, match="indices"):
+        COO(idx, torch.ones(len(flat)), (rows, cols))
