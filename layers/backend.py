@@ -125,10 +125,18 @@ def _warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
+# dtypes assumed when a backend module does not say (no `supports(dtype)` function)
+_DEFAULT_DTYPES = {"gpu": (torch.float32, torch.float16, torch.bfloat16),
+                   "cpu": (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
 def _wrap(mod, name):
     supports = getattr(mod, "supports", None)
+    if not callable(supports):
+        dtypes = tuple(getattr(mod, "SUPPORTED_DTYPES", _DEFAULT_DTYPES[name]))
+        supports = dtypes.__contains__
     return SimpleNamespace(name=name, spmm=mod.spmm, spmm_t=mod.spmm_t, sddmm=mod.sddmm,
-                           supports=supports if callable(supports) else (lambda dtype: True))
+                           supports=supports)
 
 
 def _load(device_type: str):

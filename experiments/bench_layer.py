@@ -1,0 +1,432 @@
+"""One sparse layer end to end: SNACK SparseLinear vs dense nn.Linear vs Dense+Mask (vs cuSPARSE).
+
+    python experiments/bench_layer.py                               # GPU: 4096 x 4096, 90%, B 1..128
+    python experiments/bench_layer.py --sparsity=0.95 --batches=1,32
+    python experiments/bench_layer.py --device=cpu --quick          # smoke test, seconds
+
+For each batch size B, on one layer (in = out = 4096, fp32, TF32 off as torch's default), the
+same random pattern and values in every method:
+    snack      snack.SparseLinear (COO values + int32 indices)
+    dense      nn.Linear with the dense weight
+    densemask  nn.Linear whose forward uses W * M every call, weight gradient masked by a hook
+    cusparse   inference only: torch.mm(W_csr, X^T contiguous) (torch.sparse CSR -> cuSPARSE)
+it measures
+    train      one step: forward, backward (dX and the weight gradient; x requires grad),
+               Adam step (capturable=True, so the same step can be captured)
+    infer      forward under torch.no_grad()
+as eager time (triton.testing.do_bench: median, L2 flushed; what a user's call costs,
+host overhead included), CUDA-graph time (the whole step captured in torch.cuda.graph, replays
+timed with triton.testing.do_bench_cudagraph, median: GPU time), peak memory of a step
+(torch.cuda.max_memory_allocated above what was allocated before the layer was built: weights,
+gradients, Adam state, input, output and temporaries) and energy per step (NVML's total-energy
+counter across replays of the captured step for >= --energy_seconds). Every replayed graph is
+checked first: its output is poisoned with NaN, the graph replayed, the output compared.
+Writes a tidy CSV (one row per method x phase x B, with the GPU, versions, git commit, the
+backend SNACK ran on, every figure and ratios vs dense and vs Dense+Mask; > 1 means SNACK
+uses less) and a JSON of the configuration beside it; prints a short table. Figures:
+experiments/plot_layer.py. About 3 minutes on the H200 at the default settings.
+Trade-off: a single isolated layer shows the kernels and the per-call overhead clearly but not
+a network's overlap of host and device work; the eager numbers carry that overhead in full.
+On the CPU (--device cpu) timings are wall-clock medians and graph/memory/energy are blank.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import datetime
+import gc
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import snack  # noqa: E402
+from snack.layers import backend as snack_backend  # noqa: E402
+
+METHODS = ("snack", "dense", "densemask", "cusparse")
+NAN = float("nan")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--in_features", type=int, default=4096)
+    p.add_argument("--out_features", type=int, default=4096)
+    p.add_argument("--sparsity", type=float, default=0.9)
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--warmup_ms", type=int, default=25)
+    p.add_argument("--rep_ms", type=int, default=200)
+    p.add_argument("--energy_seconds", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="small layer, few repeats: a smoke test")
+    p.add_argument("--out", default=None, help="CSV path (default results/bench_layer[_cpu].csv)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.in_features = min(args.in_features, 512)
+        args.out_features = min(args.out_features, 384)
+        args.batches = ",".join(b for b in args.batches.split(",") if int(b) <= 8) or "1"
+        args.rep_ms, args.warmup_ms, args.energy_seconds = 20, 5, 0.2
+    if args.out is None:
+        name = "bench_layer.csv" if args.device == "cuda" else "bench_layer_cpu.csv"
+        args.out = str(ROOT / "results" / name)
+    return args
+
+
+# ---- the three layers ---------------------------------------------------------------------------
+class DenseMask(nn.Module):
+    """y = x @ (W * M).T + b with M fixed; the weight gradient is masked by a hook as well (what
+    a mask-based sparse training code does); W and M are dense (out, in)."""
+
+    def __init__(self, weight: torch.Tensor, mask: torch.Tensor, bias: Optional[torch.Tensor]):
+        super().__init__()
+        self.weight = nn.Parameter(weight * mask)
+        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
+        self.register_buffer("mask", mask.to(weight.dtype))
+        self.weight.register_hook(lambda g: g * self.mask)
+
+    def forward(self, x):
+        return F.linear(x, self.weight * self.mask, self.bias)
+
+
+class CuSparse(nn.Module):
+    """Inference only: Y = (W_csr @ X^T).T with torch.sparse CSR (cuSPARSE on the GPU)."""
+
+    def __init__(self, layer: snack.SparseLinear):
+        super().__init__()
+        topo = snack_backend.get_topology(layer.indices, (layer.out_features, layer.in_features))
+        self.w = torch.sparse_csr_tensor(topo.row_ptr.long(), topo.cols.long(),
+                                         layer.values.detach().clone(), topo.shape)
+        self.bias = layer.bias.detach().clone() if layer.bias is not None else None
+
+    def forward(self, x):
+        y = torch.mm(self.w, x.t().contiguous()).t()
+        return y + self.bias if self.bias is not None else y
+
+
+def build(method: str, ref: snack.SparseLinear, dense_w: torch.Tensor) -> nn.Module:
+    """A layer computing the same function as `ref` (a SparseLinear) by `method`; dense_w is
+    ref's dense weight (out, in)."""
+    if method == "snack":
+        return copy.deepcopy(ref)
+    if method == "dense":
+        lin = nn.Linear(ref.in_features, ref.out_features, device=dense_w.device, dtype=dense_w.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(dense_w)
+            lin.bias.copy_(ref.bias)
+        return lin
+    if method == "densemask":
+        mask = torch.zeros_like(dense_w, dtype=torch.bool)
+        idx = ref.indices.long()
+        mask[idx[0], idx[1]] = True
+        return DenseMask(dense_w, mask, ref.bias.detach())
+    if method == "cusparse":
+        return CuSparse(ref)
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+# ---- the two phases -------------------------------------------------------------------------------
+def make_step(model: nn.Module, phase: str, x: torch.Tensor, dy: torch.Tensor,
+              opt: Optional[torch.optim.Optimizer]) -> Callable[[], torch.Tensor]:
+    """train: zero grads, y = model(x), y.backward(dy) (dX and the weight gradient), opt.step();
+    infer: y = model(x) under no_grad. Returns y (the forward output) either way."""
+    if phase == "infer":
+        def infer():
+            with torch.no_grad():
+                return model(x)
+        return infer
+
+    def train():
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+        y = model(x)
+        y.backward(dy)
+        opt.step()
+        return y
+    return train
+
+
+# ---- measurement -------------------------------------------------------------------------------------
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def eager_us(fn, device, args) -> float:
+    """Median time of one call in microseconds: triton.testing.do_bench on the GPU (L2 flushed),
+    wall clock on the CPU."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            return _events_us(fn, args)
+        return 1e3 * do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+    for _ in range(3):
+        fn()
+    times, t_end = [], time.perf_counter() + args.rep_ms / 1e3
+    while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 1000):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def _events_us(fn, args, n: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return 1e3 * statistics.median(times)
+
+
+def capture(fn) -> tuple:
+    """(graph, static output) of fn captured in torch.cuda.graph after a side-stream warm-up."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    torch.cuda.synchronize()
+    return g, out
+
+
+def check_graph(g, out: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Poisons the static output, replays, and compares with the eager result."""
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    return bool(torch.allclose(out, expected, rtol=1e-3, atol=1e-3))
+
+
+def graph_us(fn, g, args) -> float:
+    """GPU time of one step from CUDA-graph replay, microseconds (median)."""
+    try:
+        from triton.testing import do_bench_cudagraph
+    except ImportError:
+        do_bench_cudagraph = None
+    if do_bench_cudagraph is not None:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            return 1e3 * do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median")
+    return _events_us(g.replay, args)
+
+
+def _nvml_handle(device):
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        p = torch.cuda.get_device_properties(device)
+        bus = f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
+        return pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+    except Exception:
+        try:
+            return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        except Exception:
+            return None
+
+
+def energy_per_step(g, handle, seconds: float) -> tuple:
+    """(millijoules per replay, average watts) over replays of g for >= `seconds`."""
+    if handle is None:
+        return NAN, NAN
+    import pynvml
+    torch.cuda.synchronize()
+    e0, t0 = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle), time.perf_counter()
+    n = 0
+    while True:
+        for _ in range(100):
+            g.replay()
+        n += 100
+        if time.perf_counter() - t0 >= seconds:
+            torch.cuda.synchronize()
+            if time.perf_counter() - t0 >= seconds:
+                break
+    e1, t1 = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle), time.perf_counter()
+    return (e1 - e0) / n, (e1 - e0) / 1e3 / (t1 - t0)
+
+
+def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: torch.Tensor,
+            args, nvml) -> Dict[str, object]:
+    """Every figure of one (method, phase, B)."""
+    device = dense_w.device
+    row = dict(method=method, phase=phase, B=B, eager_us=NAN, graph_us=NAN, peak_mb=NAN,
+               energy_mj=NAN, power_w=NAN, graph_check="n/a")
+    if method == "cusparse" and phase == "train":
+        return row
+    g = torch.Generator(device=device).manual_seed(args.seed + B)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        _sync(device)
+        base = torch.cuda.memory_allocated(device)
+    model = build(method, ref, dense_w)
+    x = torch.randn(B, ref.in_features, device=device, generator=g, requires_grad=phase == "train")
+    dy = torch.randn(B, ref.out_features, device=device, generator=g)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-6) if phase == "train" else None
+    fn = make_step(model, phase, x, dy, opt)
+    for _ in range(2):
+        fn()
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        _sync(device)
+        row["peak_mb"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    row["eager_us"] = eager_us(fn, device, args)
+    if device.type == "cuda":
+        if phase == "train":   # a capturable optimizer for the graph (its state on the device)
+            del opt
+            opt = torch.optim.Adam(model.parameters(), lr=1e-6, capturable=True)
+            fn = make_step(model, phase, x, dy, opt)
+        try:
+            gr, out = capture(fn)
+            with torch.no_grad():
+                expected = model(x)
+            ok = check_graph(gr, out, expected)
+            row["graph_check"] = "ok" if ok else "MISMATCH"
+            row["graph_us"] = graph_us(fn, gr, args)
+            row["energy_mj"], row["power_w"] = energy_per_step(gr, nvml, args.energy_seconds)
+            del gr, out
+        except Exception as e:  # keep the other figures; say why in the CSV
+            row["graph_check"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+    del model, opt, fn, x, dy
+    return row
+
+
+# ---- bookkeeping -------------------------------------------------------------------------------------
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "core", "gpu", "layers",
+                                "experiments/bench_layer.py"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=10)
+        if out.returncode != 0:
+            return "unknown"
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(device: torch.device) -> Dict[str, str]:
+    def version(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:
+            return ""
+    env = dict(device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else platform.processor() or platform.machine()),
+               torch=torch.__version__, cuda=torch.version.cuda or "", numba=version("numba"),
+               triton=version("triton"), python=platform.python_version(), commit=git_commit(),
+               date=datetime.datetime.now().isoformat(timespec="seconds"),
+               snack_backend=snack_backend.backend_name(device, torch.float32),
+               tf32=str(torch.backends.cuda.matmul.allow_tf32))
+    return env
+
+
+RATIO_OF = {"eager_us": "eager", "graph_us": "graph", "peak_mb": "mem", "energy_mj": "energy"}
+
+
+def add_ratios(rows: List[dict]) -> None:
+    """For each row: <metric>_vs_dense = dense's figure / this row's (and _vs_densemask), same
+    phase and B; > 1 means this method is faster / leaner."""
+    by = {(r["method"], r["phase"], r["B"]): r for r in rows}
+    for r in rows:
+        for base in ("dense", "densemask"):
+            b = by.get((base, r["phase"], r["B"]))
+            for metric, short in RATIO_OF.items():
+                num = b[metric] if b is not None else NAN
+                den = r[metric]
+                ok = isinstance(num, float) and isinstance(den, float) and den > 0 and \
+                    not (math.isnan(num) or math.isnan(den))
+                r[f"{short}_vs_{base}"] = num / den if ok else NAN
+
+
+def print_table(rows: List[dict], env: dict, args) -> None:
+    print(f"{env['device_name']}  torch {env['torch']}  numba {env['numba']}  triton {env['triton']}  "
+          f"commit {env['commit']}  snack backend: {env['snack_backend']}")
+    print(f"layer {args.out_features} x {args.in_features}, sparsity {args.sparsity}, fp32; times in us "
+          "(eager / graph), peak MB; x = speed-up vs dense / vs Dense+Mask (graph, else eager)")
+    print(f"{'phase':6s} {'B':>4s} {'method':10s} {'eager':>9s} {'graph':>9s} {'peak MB':>9s} "
+          f"{'mJ/step':>8s} {'x dense':>8s} {'x D+M':>7s} check")
+    for r in rows:
+        if r["method"] == "cusparse" and r["phase"] == "train":
+            continue
+        key = "graph" if not math.isnan(r.get("graph_vs_dense", NAN)) else "eager"
+        print(f"{r['phase']:6s} {r['B']:4d} {r['method']:10s} {r['eager_us']:9.1f} {r['graph_us']:9.1f} "
+              f"{r['peak_mb']:9.1f} {r['energy_mj']:8.3f} {r[key + '_vs_dense']:8.2f} "
+              f"{r[key + '_vs_densemask']:7.2f} {r['graph_check']}")
+
+
+def main(argv=None) -> List[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but no CUDA GPU is visible; use --device cpu --quick for a smoke test")
+    methods = [m for m in args.methods.split(",") if m]
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"--methods: unknown method {m!r}; choose from {METHODS}")
+    if device.type == "cpu":
+        methods = [m for m in methods if m != "cusparse"] or methods
+    batches = [int(b) for b in args.batches.split(",") if b]
+    torch.manual_seed(args.seed)
+    ref = snack.SparseLinear(args.in_features, args.out_features, sparsity=args.sparsity, device=device)
+    dense_w = ref.to_dense().detach()
+    env = environment(device)
+    nvml = _nvml_handle(device) if device.type == "cuda" else None
+    rows = []
+    for B in batches:
+        for phase in ("train", "infer"):
+            for m in methods:
+                r = measure(m, phase, B, ref, dense_w, args, nvml)
+                rows.append(r)
+                print(f"  {phase} B={B} {m}: eager {r['eager_us']:.1f} us, graph {r['graph_us']:.1f} us, "
+                      f"{r['graph_check']}", file=sys.stderr, flush=True)
+    add_ratios(rows)
+    common = dict(in_features=args.in_features, out_features=args.out_features, sparsity=args.sparsity,
+                  nnz=ref.nnz, dtype="float32", **env)
+    rows = [{**common, **r} for r in rows]
+    print_table(rows, env, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    out.with_suffix(".json").write_text(json.dumps(vars(args), indent=1) + "\n")
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    import warnings
+    warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
+    main(sys.argv[1:])

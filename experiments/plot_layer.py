@@ -1,0 +1,183 @@
+"""Figures of the one-layer benchmark, drawn from results/bench_layer.csv only.
+
+    python experiments/plot_layer.py                          # -> papers/fig_layer.png
+    python experiments/plot_layer.py --csv=results/bench_layer_cpu.csv --out=/tmp/fig.png
+
+Six panels, against batch size B: training-step time and inference time per method (CUDA-graph
+GPU time where the CSV has it, else eager time), SNACK's speed-up over dense and over
+Dense+Mask (graph and eager), peak training memory, and energy per training step.
+Trade-off: one figure per sparsity (the CSV's first, or --sparsity); panels whose figures are
+all blank (e.g. memory and energy from a CPU run) say so instead of drawing.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask", "cusparse": "cuSPARSE CSR"}
+STYLE = {"snack": ("C3", "o"), "dense": ("C0", "s"), "densemask": ("C2", "^"), "cusparse": ("C1", "D")}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--csv", default=str(ROOT / "results" / "bench_layer.csv"))
+    p.add_argument("--out", default=str(ROOT / "papers" / "fig_layer.png"))
+    p.add_argument("--sparsity", type=float, default=None)
+    return p.parse_args(argv)
+
+
+def _num(v):
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return math.nan
+    return f
+
+
+def load(path, sparsity=None):
+    """Rows of the CSV at one sparsity, numbers as floats."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise SystemExit(f"{path} has no rows")
+    keep = sparsity if sparsity is not None else _num(rows[0]["sparsity"])
+    out = []
+    for r in rows:
+        if abs(_num(r["sparsity"]) - keep) > 1e-9:
+            continue
+        r = dict(r)
+        for k in ("B", "eager_us", "graph_us", "peak_mb", "energy_mj", "eager_vs_dense", "graph_vs_dense",
+                  "eager_vs_densemask", "graph_vs_densemask"):
+            r[k] = _num(r.get(k))
+        out.append(r)
+    if not out:
+        raise SystemExit(f"{path} has no rows at sparsity {keep}")
+    return out, keep
+
+
+def _series(rows, method, phase, key):
+    pts = sorted((r["B"], r[key]) for r in rows if r["method"] == method and r["phase"] == phase)
+    return [b for b, _ in pts], [v for _, v in pts]
+
+
+def _has(rows, key, phase=None):
+    return any(not math.isnan(r[key]) for r in rows if phase is None or r["phase"] == phase)
+
+
+def _blank(ax, what):
+    ax.text(0.5, 0.5, f"no {what} in the CSV", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot(rows, sparsity, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in LABEL if any(r["method"] == m for r in rows)]
+    r0 = rows[0]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    time_key = "graph_us" if _has(rows, "graph_us") else "eager_us"
+    kind = "CUDA-graph GPU time" if time_key == "graph_us" else "eager time"
+    for ax, phase, title in ((axes[0, 0], "train", "training step (fwd + bwd + Adam)"),
+                             (axes[0, 1], "infer", "inference (no_grad forward)")):
+        for m in methods:
+            b, v = _series(rows, m, phase, time_key)
+            pts = [(x, y) for x, y in zip(b, v) if not math.isnan(y)]
+            if pts:
+                c, mk = STYLE[m]
+                ax.plot(*zip(*pts), marker=mk, color=c, label=LABEL[m])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel(f"{kind} per step (us)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+
+    ax = axes[0, 2]
+    bs = sorted({r["B"] for r in rows})
+    bars = []
+    for phase in ("train", "infer"):
+        for base in ("dense", "densemask"):
+            for t in ("graph", "eager"):
+                key = f"{t}_vs_{base}"
+                _, v = _series(rows, "snack", phase, key)
+                if v and not all(math.isnan(x) for x in v):
+                    bars.append((f"{phase} vs {LABEL[base]} ({t})", v))
+    if bars:
+        width = 0.8 / len(bars)
+        for i, (lab, v) in enumerate(bars):
+            ax.bar([j + i * width for j in range(len(bs))], v, width, label=lab)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(bs))], [str(int(b)) for b in bs])
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel("SNACK speed-up (x)")
+        ax.set_title("SNACK speed-up (> 1: faster)")
+        ax.legend(fontsize=7)
+    else:
+        _blank(ax, "speed-ups")
+
+    for ax, key, what, ylabel in ((axes[1, 0], "peak_mb", "peak memory", "peak memory of a training step (MiB)"),
+                                  (axes[1, 1], "energy_mj", "energy", "energy per training step (mJ)")):
+        if not _has(rows, key, "train"):
+            _blank(ax, what)
+            continue
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            b, v = _series(rows, m, "train", key)
+            if not v or all(math.isnan(x) for x in v):
+                continue
+            c, _ = STYLE[m]
+            ax.bar([bs.index(x) + i * width for x in b], v, width, color=c, label=LABEL[m])
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(bs))], [str(int(b)) for b in bs])
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel(ylabel)
+        ax.set_title(what + " (training)")
+        ax.legend()
+
+    ax = axes[1, 2]
+    if _has(rows, "eager_us") and time_key == "graph_us":
+        for m in methods:
+            for phase, ls in (("train", "-"), ("infer", "--")):
+                b, v = _series(rows, m, phase, "eager_us")
+                pts = [(x, y) for x, y in zip(b, v) if not math.isnan(y)]
+                if pts:
+                    c, mk = STYLE[m]
+                    ax.plot(*zip(*pts), ls=ls, marker=mk, color=c, label=f"{LABEL[m]} {phase}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel("eager time per call (us)")
+        ax.set_title("eager (as a user calls it, L2 flushed)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    else:
+        _blank(ax, "separate eager timing")
+
+    fig.suptitle(f"one layer {r0['out_features']} x {r0['in_features']}, sparsity {sparsity:g}, fp32 - "
+                 f"{r0.get('device_name', '')}, torch {r0.get('torch', '')}, commit {r0.get('commit', '')}, "
+                 f"SNACK backend {r0.get('snack_backend', '')}", fontsize=10)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows, sparsity = load(args.csv, args.sparsity)
+    out = plot(rows, sparsity, args.out)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
