@@ -1,0 +1,166 @@
+"""Benchmark of the CPU backend against dense torch.mm: forward, input gradient, value gradient.
+
+    python experiments/bench_cpu.py                     # 4096 x 4096, 90% sparse, B in 1, 32, 128
+    python experiments/bench_cpu.py --batches=1,8 --sparsity=0.95 --repeats=31
+
+For each batch size B it times, float32, side by side and interleaved round by round (so that
+a noisy neighbour hurts both sides alike):
+    forward   snack.core.cpu.spmm(x, W)      vs dense torch.mm(x, W_dense.t())
+    dX        snack.core.cpu.spmm_t(dy, W)   vs dense torch.mm(dy, W_dense)
+    SDDMM     snack.core.cpu.sddmm(dy, x, W) vs dense torch.mm(dy.t(), x) (the dense weight gradient)
+plus torch's own CSR matmul (`torch.mm(W_csr, x.t())`, MKL) as a second sparse baseline for the
+two SpMMs. Every timing is a median over `--repeats` rounds after `--warmup` rounds; the ratio
+is dense / snack (> 1: snack is faster). Prints a table and writes results/bench_cpu.csv with
+the machine, versions and git commit. Takes about a minute on 2 cores.
+Trade-off: wall-clock time of one call as a user makes it, including the X^T copy and the
+Python overhead, not an isolated kernel time.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numba
+import torch
+
+from snack.core import COO
+from snack.core import cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--in_features", type=int, default=4096)
+    p.add_argument("--out_features", type=int, default=4096)
+    p.add_argument("--sparsity", type=float, default=0.9)
+    p.add_argument("--batches", type=str, default="1,32,128")
+    p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=str, default=str(ROOT / "results" / "bench_cpu.csv"))
+    return p.parse_args(argv)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "core", "experiments/bench_cpu.py"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_pair(fns: dict, repeats: int, warmup: int) -> dict:
+    """Runs every fn once per round, interleaved, and returns {name: [seconds per round]}."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            times[k].append(timed(f))
+    return times
+
+
+def main(argv=None) -> list:
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    n_out, n_in = args.out_features, args.in_features
+    w = COO.random((n_out, n_in), density=1.0 - args.sparsity, seed=args.seed)
+    topo, vals = w.topology, w.values
+    wd = w.to_dense()
+    csr = torch.sparse_csr_tensor(topo.row_ptr.long(), topo.cols.long(), vals, w.shape)
+    csr_t = torch.sparse_csr_tensor(topo.col_ptr.long(), topo.rows_by_col.long(), vals[topo.col_perm],
+                                    (n_in, n_out))
+    meta = dict(cpu=cpu_model(), cores=os.cpu_count(), threads=torch.get_num_threads(),
+                torch=torch.__version__, numba=numba.__version__, python=platform.python_version(),
+                commit=git_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
+                loadavg_1min=round(os.getloadavg()[0], 2))
+    rows = []
+    batches = [int(b) for b in args.batches.split(",") if b]
+    for B in batches:
+        x = torch.randn(B, n_in)
+        dy = torch.randn(B, n_out)
+        # correctness first (loose: float32 sums of ~400 terms)
+        torch.testing.assert_close(cpu.spmm(x, topo, vals), x @ wd.t(), rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(cpu.spmm_t(dy, topo, vals), dy @ wd, rtol=1e-4, atol=1e-3)
+        y_out = torch.empty(B, n_out)
+        dx_out = torch.empty(B, n_in)
+        dv_out = torch.empty(w.nnz)
+        ops = {
+            "forward": {"snack": lambda: cpu.spmm(x, topo, vals, out=y_out),
+                        "dense": lambda: torch.mm(x, wd.t()),
+                        "torch_csr": lambda: torch.mm(csr, x.t())},
+            "dX": {"snack": lambda: cpu.spmm_t(dy, topo, vals, out=dx_out),
+                   "dense": lambda: torch.mm(dy, wd),
+                   "torch_csr": lambda: torch.mm(csr_t, dy.t())},
+            "SDDMM": {"snack": lambda: cpu.sddmm(dy, x, topo, out=dv_out),
+                      "dense": lambda: torch.mm(dy.t(), x)},
+        }
+        for op, fns in ops.items():
+            t = bench_pair(fns, args.repeats, args.warmup)
+            med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+            mins = {k: min(v) * 1e3 for k, v in t.items()}
+            rows.append(dict(op=op, B=B, in_features=n_in, out_features=n_out, sparsity=args.sparsity,
+                             nnz=w.nnz, dtype="float32", repeats=args.repeats,
+                             snack_ms=round(med["snack"], 4), snack_min_ms=round(mins["snack"], 4),
+                             dense_ms=round(med["dense"], 4), dense_min_ms=round(mins["dense"], 4),
+                             torch_csr_ms=round(med["torch_csr"], 4) if "torch_csr" in med else "",
+                             ratio_dense_over_snack=round(med["dense"] / med["snack"], 3),
+                             ratio_csr_over_snack=(round(med["torch_csr"] / med["snack"], 3)
+                                                   if "torch_csr" in med else ""),
+                             **meta))
+    print(f"{meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, numba {meta['numba']}, "
+          f"commit {meta['commit']}, load {meta['loadavg_1min']}")
+    print(f"W {n_out} x {n_in}, sparsity {args.sparsity}, nnz {w.nnz}, float32, median of {args.repeats}")
+    print(f"{'op':8s} {'B':>4s} {'snack ms':>9s} {'dense ms':>9s} {'csr ms':>8s} {'dense/snack':>12s} {'csr/snack':>10s}")
+    for r in rows:
+        csr_ms = f"{r['torch_csr_ms']:8.2f}" if r["torch_csr_ms"] != "" else f"{'-':>8s}"
+        csr_ratio = f"{r['ratio_csr_over_snack']:10.2f}" if r["ratio_csr_over_snack"] != "" else f"{'-':>10s}"
+        print(f"{r['op']:8s} {r['B']:4d} {r['snack_ms']:9.2f} {r['dense_ms']:9.2f} {csr_ms} "
+              f"{r['ratio_dense_over_snack']:12.2f} {csr_ratio}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        wr.writeheader()
+        wr.writerows(rows)
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    import warnings
+    warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
+    warnings.filterwarnings("ignore", message=".*Sparse invariant checks.*")
+    main(sys.argv[1:])

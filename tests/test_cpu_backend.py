@@ -1,0 +1,259 @@
+"""Tests of the CPU backend (core/cpu.py) against the float64 reference ops.
+
+Every op is compared with `snack.core.reference` run in float64 on the same (already rounded)
+inputs, on fresh random inputs of odd shapes, B = 1, batch widths that hit the 64-wide register
+tile and its remainder, nnz = 0, empty rows/columns and 1 x 1, for float32/float64 and (with a
+looser tolerance) float16/bfloat16; plus the `out=` argument, strided inputs, determinism across
+thread counts, and every bad input. Tolerances come from conftest.py.
+Trade-off: shapes stay small (the kernels are compiled once and cached on disk), so the file
+runs in seconds; speed is measured by experiments/bench_cpu.py, not here.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close_dtype
+from snack.core import COO, Topology, sddmm_reference, spmm_reference, spmm_t_reference
+from snack.core import cpu
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, strategies as st  # noqa: E402
+
+# (out, in, B, density)
+CASES = [
+    (7, 96, 40, 0.2), (96, 7, 40, 0.3), (40, 333, 7, 0.05), (333, 40, 1, 0.1), (1, 1, 1, 1.0),
+    (1, 1, 3, 1.0), (5, 1, 2, 0.6), (13, 17, 6, 0.0), (64, 50, 64, 0.2), (50, 64, 65, 0.2),
+    (33, 29, 130, 0.3), (17, 200, 2, 0.5),
+]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def make(gen, out_f, in_f, B, density, dtype):
+    coo = COO.random((out_f, in_f), density=density, generator=gen, dtype=dtype)
+    x = torch.randn(B, in_f, generator=gen).to(dtype)
+    dy = torch.randn(B, out_f, generator=gen).to(dtype)
+    return coo, x, dy
+
+
+def references(coo, x, dy):
+    d = torch.float64
+    idx, v = coo.indices, coo.values.to(d)
+    return (spmm_reference(x.to(d), idx, v, coo.shape[0]), spmm_t_reference(dy.to(d), idx, v, coo.shape[1]),
+            sddmm_reference(dy.to(d), x.to(d), idx))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("out_f, in_f, B, density", CASES)
+def test_ops_match_reference(gen, out_f, in_f, B, density, dtype):
+    coo, x, dy = make(gen, out_f, in_f, B, density, dtype)
+    y_ref, dx_ref, dv_ref = references(coo, x, dy)
+    y = cpu.spmm(x, coo.topology, coo.values)
+    dx = cpu.spmm_t(dy, coo.topology, coo.values)
+    dv = cpu.sddmm(dy, x, coo.topology)
+    for got, ref, shape in ((y, y_ref, (B, out_f)), (dx, dx_ref, (B, in_f)), (dv, dv_ref, (coo.nnz,))):
+        assert got.dtype == dtype and got.shape == shape and got.device.type == "cpu"
+        assert_close_dtype(got, ref)
+
+
+def test_float32_against_scipy_odd_shape(gen):
+    import scipy.sparse as sp  # noqa: F401  (to_scipy needs it)
+    coo, x, dy = make(gen, 40, 333, 7, 0.1, torch.float32)
+    w = coo.to_scipy("csr")
+    y = cpu.spmm(x, coo.topology, coo.values)
+    assert_close_dtype(y, torch.from_numpy((w @ x.double().numpy().T).T))
+    dx = cpu.spmm_t(dy, coo.topology, coo.values)
+    assert_close_dtype(dx, torch.from_numpy((w.T @ dy.double().numpy().T).T))
+
+
+def test_empty_rows_and_columns(gen):
+    idx = torch.tensor([[1, 1, 3, 4, 4], [0, 5, 2, 0, 6]])
+    coo = COO(idx, torch.randn(5, generator=gen), (6, 7))
+    for B in (1, 3, 70):
+        x, dy = torch.randn(B, 7, generator=gen), torch.randn(B, 6, generator=gen)
+        y_ref, dx_ref, dv_ref = references(coo, x, dy)
+        y = cpu.spmm(x, coo.topology, coo.values, out=torch.full((B, 6), float("nan")))
+        dx = cpu.spmm_t(dy, coo.topology, coo.values, out=torch.full((B, 7), float("nan")))
+        assert (y[:, [0, 2, 5]] == 0).all() and (dx[:, [1, 3, 4]] == 0).all()
+        assert_close_dtype(y, y_ref)
+        assert_close_dtype(dx, dx_ref)
+        assert_close_dtype(cpu.sddmm(dy, x, coo.topology), dv_ref)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0, 0), (4, 6)])
+@pytest.mark.parametrize("B", [0, 3])
+def test_zero_sizes(shape, B):
+    coo = COO.random(shape, nnz=0, seed=0)
+    x, dy = torch.randn(B, shape[1]), torch.randn(B, shape[0])
+    y = cpu.spmm(x, coo.topology, coo.values, out=torch.full((B, shape[0]), 7.0))
+    dx = cpu.spmm_t(dy, coo.topology, coo.values, out=torch.full((B, shape[1]), 7.0))
+    dv = cpu.sddmm(dy, x, coo.topology)
+    assert y.shape == (B, shape[0]) and (y == 0).all()
+    assert dx.shape == (B, shape[1]) and (dx == 0).all()
+    assert dv.shape == (0,)
+
+
+def test_zero_batch_with_connections():
+    coo = COO.random((5, 6), nnz=12, seed=1)
+    assert cpu.spmm(torch.randn(0, 6), coo.topology, coo.values).shape == (0, 5)
+    assert cpu.spmm_t(torch.randn(0, 5), coo.topology, coo.values).shape == (0, 6)
+    dv = cpu.sddmm(torch.randn(0, 5), torch.randn(0, 6), coo.topology, out=torch.full((12,), 3.0))
+    assert dv.shape == (12,) and (dv == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_out_argument(gen, dtype):
+    coo, x, dy = make(gen, 33, 29, 70, 0.3, dtype)
+    y_ref, dx_ref, dv_ref = references(coo, x, dy)
+    for fn, args, shape, ref in ((cpu.spmm, (x, coo.topology, coo.values), (70, 33), y_ref),
+                                 (cpu.spmm_t, (dy, coo.topology, coo.values), (70, 29), dx_ref),
+                                 (cpu.sddmm, (dy, x, coo.topology), (coo.nnz,), dv_ref)):
+        out = torch.full(shape, float("nan"), dtype=dtype)
+        res = fn(*args, out=out)
+        assert res is out
+        assert_close_dtype(out, ref)
+
+
+def test_strided_and_grad_inputs(gen):
+    coo, x, dy = make(gen, 21, 30, 9, 0.3, torch.float64)
+    y_ref, dx_ref, dv_ref = references(coo, x, dy)
+    xs = x.t().contiguous().t()                        # column-major (B, in)
+    dys = torch.stack([dy, torch.zeros_like(dy)], dim=2)[..., 0]   # stride-2 view
+    assert not xs.is_contiguous() and not dys.is_contiguous()
+    assert_close_dtype(cpu.spmm(xs, coo.topology, coo.values), y_ref)
+    assert_close_dtype(cpu.spmm_t(dys, coo.topology, coo.values), dx_ref)
+    assert_close_dtype(cpu.sddmm(dys, xs, coo.topology), dv_ref)
+    vals = coo.values.clone().requires_grad_(True)
+    xg = x.clone().requires_grad_(True)
+    y = cpu.spmm(xg, coo.topology, vals)
+    assert not y.requires_grad
+    assert_close_dtype(y, y_ref)
+    if hasattr(torch, "_neg_view"):  # a lazily negated view (neg bit) is read as negated
+        xn, vn = torch._neg_view(x), torch._neg_view(coo.values)
+        assert xn.is_neg() and vn.is_neg()
+        assert_close_dtype(cpu.spmm(xn, coo.topology, coo.values), -y_ref)
+        assert_close_dtype(cpu.spmm(xn[:1], coo.topology, vn), y_ref[:1])
+
+
+def test_int64_topology_and_canonical_from_unsorted(gen):
+    coo = COO.random((19, 23), density=0.3, generator=gen, dtype=torch.float64)
+    topo64 = Topology(coo.indices.long(), coo.shape)
+    x = torch.randn(4, 23, generator=gen, dtype=torch.float64)
+    assert_close_dtype(cpu.spmm(x, topo64, coo.values), cpu.spmm(x, coo.topology, coo.values))
+    perm = torch.randperm(coo.nnz, generator=gen)
+    again = COO(coo.indices[:, perm], coo.values[perm], coo.shape)
+    assert torch.equal(cpu.spmm(x, again.topology, again.values), cpu.spmm(x, coo.topology, coo.values))
+
+
+def test_deterministic_across_threads_and_calls(gen):
+    coo, x, dy = make(gen, 300, 257, 67, 0.1, torch.float32)
+    prev = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, prev):
+            torch.set_num_threads(n)
+            results.append((cpu.spmm(x, coo.topology, coo.values), cpu.spmm_t(dy, coo.topology, coo.values),
+                            cpu.sddmm(dy, x, coo.topology)))
+    finally:
+        torch.set_num_threads(prev)
+    for r in results[1:]:
+        for a, b in zip(results[0], r):
+            assert torch.equal(a, b)
+
+
+def test_supports():
+    assert all(cpu.supports(d) for d in DTYPES)
+    assert not cpu.supports(torch.int32) and not cpu.supports(torch.complex64)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+@pytest.fixture
+def small():
+    coo = COO.random((6, 8), nnz=10, seed=0)
+    return coo, torch.randn(3, 8), torch.randn(3, 6)
+
+
+def test_bad_inputs_spmm(small):
+    coo, x, _ = small
+    t, v = coo.topology, coo.values
+    cases = [
+        (lambda: cpu.spmm(x.numpy(), t, v), TypeError, r"x must be a torch.Tensor.*ndarray"),
+        (lambda: cpu.spmm(x.long(), t, v), TypeError, r"x must be float32.*int64"),
+        (lambda: cpu.spmm(x[0], t, v), ValueError, r"x must be 2-D, got shape \(8,\)"),
+        (lambda: cpu.spmm(x[:, :7], t, v), ValueError, r"x must have shape \(B, 8\).*\(3, 7\)"),
+        (lambda: cpu.spmm(x.to("meta"), t, v), ValueError, r"x must be a CPU tensor.*meta"),
+        (lambda: cpu.spmm(x, coo, v), TypeError, r"topo must be a snack.core.Topology.*COO"),
+        (lambda: cpu.spmm(x, t, v[:9]), ValueError, r"values must have shape \(10,\).*\(9,\)"),
+        (lambda: cpu.spmm(x, t, v.view(2, 5)), ValueError, r"values must be 1-D"),
+        (lambda: cpu.spmm(x, t, v.double()), TypeError, r"values must have the dtype.*float32.*float64"),
+        (lambda: cpu.spmm(x, t, v.int()), TypeError, r"values must be float32.*int32"),
+        (lambda: cpu.spmm(x, t, v.to("meta")), ValueError, r"values must be a CPU tensor"),
+        (lambda: cpu.spmm(x, t, v, out=torch.empty(3, 5)), ValueError, r"out must have shape \(3, 6\).*\(3, 5\)"),
+        (lambda: cpu.spmm(x, t, v, out=torch.empty(3, 6, dtype=torch.float64)), TypeError, r"out must have dtype"),
+        (lambda: cpu.spmm(x, t, v, out=torch.empty(6, 3).t()), ValueError, r"out must be contiguous"),
+        (lambda: cpu.spmm(x, t, v, out=torch.empty(3, 6).numpy()), TypeError, r"out must be a torch.Tensor"),
+        (lambda: cpu.spmm(x, t, v, out=torch.empty(3, 6, device="meta")), ValueError, r"out must be a CPU"),
+        (lambda: cpu.spmm(x, t.to("meta"), v), ValueError, r"topo must be on the CPU.*meta"),
+    ]
+    for fn, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fn()
+
+
+def test_bad_inputs_spmm_t_and_sddmm(small):
+    coo, x, dy = small
+    t, v = coo.topology, coo.values
+    with pytest.raises(ValueError, match=r"dy must have shape \(B, 6\).*\(3, 8\)"):
+        cpu.spmm_t(x, t, v)
+    with pytest.raises(ValueError, match=r"out must have shape \(3, 8\)"):
+        cpu.spmm_t(dy, t, v, out=torch.empty(3, 6))
+    with pytest.raises(ValueError, match=r"x must have shape \(B, 8\)"):
+        cpu.sddmm(dy, dy, t)
+    with pytest.raises(ValueError, match=r"same batch size.*\(2, 8\).*\(3, 6\)"):
+        cpu.sddmm(dy, x[:2], t)
+    with pytest.raises(TypeError, match=r"x must have dy's dtype"):
+        cpu.sddmm(dy, x.double(), t)
+    with pytest.raises(ValueError, match=r"out must have shape \(10,\)"):
+        cpu.sddmm(dy, x, t, out=torch.empty(9))
+    with pytest.raises(TypeError, match=r"dy must be a torch.Tensor"):
+        cpu.sddmm([1.0], x, t)
+
+
+# ---- property tests -----------------------------------------------------------------------------
+@st.composite
+def problem(draw):
+    out_f = draw(st.integers(1, 40))
+    in_f = draw(st.integers(1, 40))
+    B = draw(st.sampled_from([1, 2, 3, 5, 8, 31, 63, 64, 65, 100]))
+    nnz = draw(st.integers(0, out_f * in_f))
+    seed = draw(st.integers(0, 2**31 - 1))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    return out_f, in_f, B, nnz, seed, dtype
+
+
+@given(problem())
+def test_property_matches_reference(p):
+    out_f, in_f, B, nnz, seed, dtype = p
+    g = torch.Generator().manual_seed(seed)
+    coo = COO.random((out_f, in_f), nnz=nnz, generator=g, dtype=dtype)
+    x = torch.randn(B, in_f, generator=g, dtype=dtype)
+    dy = torch.randn(B, out_f, generator=g, dtype=dtype)
+    y_ref, dx_ref, dv_ref = references(coo, x, dy)
+    assert_close_dtype(cpu.spmm(x, coo.topology, coo.values), y_ref)
+    assert_close_dtype(cpu.spmm_t(dy, coo.topology, coo.values), dx_ref)
+    assert_close_dtype(cpu.sddmm(dy, x, coo.topology), dv_ref)
+
+
+@given(problem())
+def test_property_adjoint_identity(p):
+    """<W x, dy> = <x, W^T dy> = <W, dy x^T>_pattern: the three ops are mutually consistent."""
+    out_f, in_f, B, nnz, seed, _ = p
+    g = torch.Generator().manual_seed(seed)
+    coo = COO.random((out_f, in_f), nnz=nnz, generator=g, dtype=torch.float64)
+    x = torch.randn(B, in_f, generator=g, dtype=torch.float64)
+    dy = torch.randn(B, out_f, generator=g, dtype=torch.float64)
+    a = (cpu.spmm(x, coo.topology, coo.values) * dy).sum()
+    b = (x * cpu.spmm_t(dy, coo.topology, coo.values)).sum()
+    c = (coo.values * cpu.sddmm(dy, x, coo.topology)).sum()
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-10)
