@@ -50,7 +50,7 @@ DEFAULTS = dict(
     models="dense,sparse",    # which of the two to train, comma separated, in this order
     sparsity=0.9,             # fraction of connections removed, over all layers together
     distribution="erk",       # erk | uniform: how sparsity is spread over the layers
-    epochs=3,
+    epochs=10,
     batch_size=128,
     optimizer="adam",         # adam | sgd (with momentum)
     lr=1e-3,
@@ -275,7 +275,8 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
         print(f"{kind:>6} epoch {epoch + 1}/{cfg['epochs']}: train loss {float(loss_sum) / steps_per_epoch:.4f}  "
               f"test acc {accs[-1]:.4f}  ({train_time:.1f} s training so far)", flush=True)
     mem = state_bytes(model, opt)
-    act = saved_activation_bytes(model, x_train[:bs], y_train[:bs], mem.pop("_seen"))
+    # a batch gathered as in training (a copy, not a view that would pin the whole data set)
+    act = saved_activation_bytes(model, x_train[perm[:bs]], y_train[perm[:bs]], mem.pop("_seen"))
     row = dict(
         model=kind,
         dataset=cfg["dataset"],

