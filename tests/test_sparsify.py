@@ -15,7 +15,9 @@ from snack import SparseLinear, sparsify
 from snack.core import erk_densities
 from snack.layers.sparsify import SparsifySummary
 
-F64_ATOL = 1e-10
+from conftest import assert_close_dtype, tolerance
+
+F64_ATOL = tolerance(torch.float64)[1]
 
 
 def _mlp(seed=0):
