@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import weakref
 import warnings
 from types import SimpleNamespace
 from typing import Optional, Tuple
@@ -31,13 +32,19 @@ import torch
 
 from snack.core import Topology, canonicalize, validate_coo, INDEX_DTYPE
 from snack.core.reference import spmm_reference, spmm_t_reference, sddmm_reference
-from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["spmm", "spmm_t", "sddmm", "get_topology", "backend_name", "force_backend"]
 
-# indices tensor (by identity, weakly) -> (key, Topology). Kept off the tensor's own __dict__ so
-# that pickling a module (torch.save(model)) never drags backend caches along.
-_TOPOLOGIES = WeakIdKeyDictionary()
+# id(indices) -> (weakref to indices, key, Topology); an entry leaves when its tensor dies. Kept
+# off the tensor's own __dict__ so that pickling a module (torch.save(model)) never drags backend
+# caches along, and a plain dict so that a lookup costs well under a microsecond.
+_TOPOLOGIES = {}
+
+
+def _forget(tid: int, ref) -> None:
+    e = _TOPOLOGIES.get(tid)
+    if e is not None and e[0] is ref:
+        del _TOPOLOGIES[tid]
 
 
 # ---- topology cache --------------------------------------------------------------------------
@@ -64,11 +71,13 @@ def get_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
     shape = (int(shape[0]), int(shape[1]))
     key = (_version_of(indices), indices.data_ptr(), shape)
-    cached = _TOPOLOGIES.get(indices)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    tid = id(indices)
+    cached = _TOPOLOGIES.get(tid)
+    if cached is not None and cached[1] == key and cached[0]() is indices:
+        return cached[2]
     topo = _build_topology(indices, shape)
-    _TOPOLOGIES[indices] = (key, topo)
+    ref = weakref.ref(indices, lambda r, tid=tid: _forget(tid, r))
+    _TOPOLOGIES[tid] = (ref, key, topo)
     return topo
 
 
@@ -93,7 +102,9 @@ def _build_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
 
 def invalidate_topology(indices: torch.Tensor) -> None:
     """Drops the cached topology of `indices` (after a change the version counter misses)."""
-    _TOPOLOGIES.pop(indices, None)
+    e = _TOPOLOGIES.get(id(indices))
+    if e is not None and e[0]() is indices:
+        del _TOPOLOGIES[id(indices)]
 
 
 # ---- backends ---------------------------------------------------------------------------------

@@ -68,21 +68,28 @@ def _check_tensor(name: str, t, dims: Optional[int] = None) -> None:
         raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
 
 
-def _autocast_inputs(x, values, bias):
-    """Casts like autocast does for nn.Linear; returns (x, values, bias, dtype of the result)."""
-    dev = x.device.type
-    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
-        return x, values, bias, None
+def _autocast_inputs(x, values, bias, dev: str):
+    """Casts like autocast does for nn.Linear (autocast is on for device type `dev`); returns
+    (x, values, bias, dtype to cast the result to or None)."""
     target = torch.get_autocast_dtype(dev)
     compute = target if dev == "cuda" else torch.float32
 
     def cast(t):
-        if t is None or t.dtype == torch.float64 or t.dtype == compute:
+        if t is None or t.dtype == compute:
             return t
         return t.to(compute)
     if x.dtype == torch.float64 or values.dtype == torch.float64:
         return x, values, bias, None  # autocast leaves float64 alone
     return cast(x), cast(values), cast(bias), (target if dev == "cpu" else None)
+
+
+def _apply(x2, values, bias, topo):
+    """The Function when a gradient is wanted; otherwise its forward without autograd's cost."""
+    if torch.is_grad_enabled() and (x2.requires_grad or values.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return SparseLinearFunction.apply(x2, values, bias, topo)
+    y = backend.spmm(x2, topo, values)
+    return y.add_(bias) if bias is not None else y
 
 
 def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, out_features: int,
@@ -125,25 +132,31 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
         _check_tensor("bias", bias, dims=1)
         if bias.shape[0] != out_features:
             raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+    dev = x.device
     for name, t in (("values", values), ("indices", indices), ("bias", bias)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; move them to one device")
+        if t is not None and t.device != dev:
+            raise ValueError(f"{name} is on {t.device} but x is on {dev}; move them to one device")
 
-    x, values, bias, result_dtype = _autocast_inputs(x, values, bias)
+    dev_type = dev.type
+    autocast = dev_type in ("cuda", "cpu") and torch.is_autocast_enabled(dev_type)
+    result_dtype = None
+    if autocast:
+        x, values, bias, result_dtype = _autocast_inputs(x, values, bias, dev_type)
     if values.dtype != x.dtype:
         raise TypeError(f"x and values must have the same dtype, got x {x.dtype} and values {values.dtype}")
     if bias is not None and bias.dtype != x.dtype:
         raise TypeError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
 
     topo = backend.get_topology(indices, (out_features, in_f))
-    lead = x.shape[:-1]
-    x2 = x.reshape(math.prod(lead), in_f)
+    flat = x.dim() != 2
+    x2 = x.reshape(math.prod(x.shape[:-1]), in_f) if flat else x
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
-        with torch.autocast(x.device.type, enabled=False):
-            y = SparseLinearFunction.apply(x2, values, bias, topo)
+    if autocast:
+        with torch.autocast(dev_type, enabled=False):
+            y = _apply(x2, values, bias, topo)
     else:
-        y = SparseLinearFunction.apply(x2, values, bias, topo)
-    y = y.reshape(*lead, out_features)
+        y = _apply(x2, values, bias, topo)
+    if flat:
+        y = y.reshape(*x.shape[:-1], out_features)
     return y.to(result_dtype) if result_dtype is not None else y
