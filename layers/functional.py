@@ -4,6 +4,8 @@ The autograd Function builds every gradient from the same three backend ops:
     forward   Y  = spmm(X, W) + b
     backward  dX = spmm_t(dY, W)      dv = sddmm(dY, X, W)      db = sum_b dY
 so nothing of the dense weight's size (out x in) is allocated, in forward or in backward.
+When no gradient is wanted (torch.no_grad, or nothing requires grad) the forward runs without
+the autograd Function, saving its host overhead on every inference call.
 Inputs of any leading shape are flattened to (B, in) (a copy only if they are not contiguous).
 Under torch.autocast the inputs are cast like nn.Linear's: to the autocast dtype (fp16/bf16) on
 CUDA; on CPU the math runs in float32 and the result is returned in the autocast dtype.
