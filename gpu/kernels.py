@@ -81,83 +81,116 @@ def _check_bt(bt: int) -> int:
     return 32 // bt
 
 
+@cuda.jit(device=True, inline=True)
+def _row_count(n_cols):
+    return n_cols | 1  # odd row stride: the BT lanes of a group hit BT different banks
+
+
+def _make_stage(BT, ld):
+    @cuda.jit(device=True, inline=True)
+    def stage(xs, x, b0, batch, n_cols, stride, tid, nthreads):
+        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy, 4 loads in flight."""
+        for j in range(BT):
+            b = b0 + j
+            srow = j * stride
+            if b < batch:
+                grow = b * n_cols
+                c = tid
+                while c + 3 * nthreads < n_cols:
+                    a0 = ld(x, grow + c)
+                    a1 = ld(x, grow + c + nthreads)
+                    a2 = ld(x, grow + c + 2 * nthreads)
+                    a3 = ld(x, grow + c + 3 * nthreads)
+                    xs[srow + c] = a0
+                    xs[srow + c + nthreads] = a1
+                    xs[srow + c + 2 * nthreads] = a2
+                    xs[srow + c + 3 * nthreads] = a3
+                    c += 4 * nthreads
+                while c < n_cols:
+                    xs[srow + c] = ld(x, grow + c)
+                    c += nthreads
+            else:
+                c = tid
+                while c < n_cols:
+                    xs[srow + c] = float32(0.0)
+                    c += nthreads
+    return stage
+
+
 @functools.lru_cache(maxsize=None)
 def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
     """Y[b, r] = sum_k val[k] X[b, idx[k]] over the CSR rows r; see the module docstring.
 
     Signature: (x, ptr, idx, val, perm, y, n_rows, n_cols, batch). `perm` is ignored (pass any
     int32 array) unless has_perm. Launch: grid (n_batch_tiles, n_row_blocks), block a multiple
-    of 32 threads, dynamic shared memory n_cols * bt * 4 bytes.
+    of 32 threads, dynamic shared memory bt * (n_cols | 1) * 4 bytes.
+    Each warp step takes 64 non-zeros (two per lane) and loads the next 64 before using them.
     """
     G = _check_bt(bt)
     BT = bt
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
     HAS_PERM = has_perm
+    stage = _make_stage(BT, ld)
+
+    @cuda.jit(device=True, inline=True)
+    def load_nz(idx, val, perm, k, end):
+        c = int32(0)
+        v = float32(0.0)
+        if k < end:
+            c = idx[k]
+            if HAS_PERM:
+                v = ld(val, perm[k])
+            else:
+                v = ld(val, k)
+        return c, v
 
     def spmm(x, ptr, idx, val, perm, y, n_rows, n_cols, batch):
         xs = cuda.shared.array(0, dtype=float32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         b0 = cuda.blockIdx.x * BT
-        # stage the batch tile, transposed: xs[c * BT + j] = X[b0 + j, c]
-        total = n_cols * BT
-        for e in range(tid, total, nthreads):
-            j = e // n_cols
-            c = e - j * n_cols
-            b = b0 + j
-            v = float32(0.0)
-            if b < batch:
-                v = ld(x, b * n_cols + c)
-            xs[c * BT + j] = v
+        stride = _row_count(n_cols)
+        stage(xs, x, b0, batch, n_cols, stride, tid, nthreads)
         cuda.syncthreads()
 
         lane = tid & 31
         g = lane // BT
         j = lane - g * BT
+        jrow = j * stride
         nwarps = nthreads >> 5
         r = cuda.blockIdx.y * nwarps + (tid >> 5)
         rstride = cuda.gridDim.y * nwarps
         while r < n_rows:
             start = ptr[r]
             end = ptr[r + 1]
-            acc = float32(0.0)
-            acc2 = float32(0.0)
-            k = start + lane
-            cl = int32(0)
-            vl = float32(0.0)
-            if k < end:
-                cl = idx[k]
-                if HAS_PERM:
-                    vl = ld(val, perm[k])
-                else:
-                    vl = ld(val, k)
+            acc0 = float32(0.0)
+            acc1 = float32(0.0)
+            ca, va = load_nz(idx, val, perm, start + lane, end)
+            cb, vb = load_nz(idx, val, perm, start + 32 + lane, end)
             base = start
             while base < end:
-                kn = base + 32 + lane
-                cn = int32(0)
-                vn = float32(0.0)
-                if kn < end:
-                    cn = idx[kn]
-                    if HAS_PERM:
-                        vn = ld(val, perm[kn])
-                    else:
-                        vn = ld(val, kn)
+                nb = base + 64
+                na, nva = load_nz(idx, val, perm, nb + lane, end)
+                nbb, nvb = load_nz(idx, val, perm, nb + 32 + lane, end)
                 if G == 32:
-                    # BT == 1: each lane owns its non-zero, no broadcast needed
-                    acc += vl * xs[cl]
+                    # BT == 1: each lane owns its non-zeros, no broadcast needed
+                    acc0 += va * xs[ca]
+                    acc1 += vb * xs[cb]
                 else:
-                    for t in range(0, 32, 2 * G):
-                        c0 = cuda.shfl_sync(FULL_MASK, cl, t + g)
-                        v0 = cuda.shfl_sync(FULL_MASK, vl, t + g)
-                        c1 = cuda.shfl_sync(FULL_MASK, cl, t + G + g)
-                        v1 = cuda.shfl_sync(FULL_MASK, vl, t + G + g)
-                        acc += v0 * xs[c0 * BT + j]
-                        acc2 += v1 * xs[c1 * BT + j]
-                cl = cn
-                vl = vn
-                base += 32
-            acc += acc2
+                    for t in range(0, 32, G):
+                        c0 = cuda.shfl_sync(FULL_MASK, ca, t + g)
+                        v0 = cuda.shfl_sync(FULL_MASK, va, t + g)
+                        c1 = cuda.shfl_sync(FULL_MASK, cb, t + g)
+                        v1 = cuda.shfl_sync(FULL_MASK, vb, t + g)
+                        acc0 += v0 * xs[jrow + c0]
+                        acc1 += v1 * xs[jrow + c1]
+                ca = na
+                va = nva
+                cb = nbb
+                vb = nvb
+                base = nb
+            acc = acc0 + acc1
             off = BT
             while off < 32:
                 acc += cuda.shfl_xor_sync(FULL_MASK, acc, off)
@@ -167,63 +200,6 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
                 y[b * n_rows + r] = cv(acc)
             r += rstride
 
-    if G == 1:
-        # one group: every iteration of the unrolled loop covers one non-zero
-        def spmm(x, ptr, idx, val, perm, y, n_rows, n_cols, batch):  # noqa: F811
-            xs = cuda.shared.array(0, dtype=float32)
-            tid = cuda.threadIdx.x
-            nthreads = cuda.blockDim.x
-            b0 = cuda.blockIdx.x * BT
-            total = n_cols * BT
-            for e in range(tid, total, nthreads):
-                j = e // n_cols
-                c = e - j * n_cols
-                b = b0 + j
-                v = float32(0.0)
-                if b < batch:
-                    v = ld(x, b * n_cols + c)
-                xs[c * BT + j] = v
-            cuda.syncthreads()
-            lane = tid & 31
-            nwarps = nthreads >> 5
-            r = cuda.blockIdx.y * nwarps + (tid >> 5)
-            rstride = cuda.gridDim.y * nwarps
-            while r < n_rows:
-                start = ptr[r]
-                end = ptr[r + 1]
-                acc = float32(0.0)
-                acc2 = float32(0.0)
-                base = start
-                while base < end:
-                    k = base + lane
-                    cl = int32(0)
-                    vl = float32(0.0)
-                    if k < end:
-                        cl = idx[k]
-                        if HAS_PERM:
-                            vl = ld(val, perm[k])
-                        else:
-                            vl = ld(val, k)
-                    n = min(32, end - base)
-                    t = 0
-                    while t + 1 < n:
-                        c0 = cuda.shfl_sync(FULL_MASK, cl, t)
-                        v0 = cuda.shfl_sync(FULL_MASK, vl, t)
-                        c1 = cuda.shfl_sync(FULL_MASK, cl, t + 1)
-                        v1 = cuda.shfl_sync(FULL_MASK, vl, t + 1)
-                        acc += v0 * xs[c0 * BT + lane]
-                        acc2 += v1 * xs[c1 * BT + lane]
-                        t += 2
-                    if t < n:
-                        c0 = cuda.shfl_sync(FULL_MASK, cl, t)
-                        v0 = cuda.shfl_sync(FULL_MASK, vl, t)
-                        acc += v0 * xs[c0 * BT + lane]
-                    base += 32
-                b = b0 + lane
-                if b < batch:
-                    y[b * n_rows + r] = cv(acc + acc2)
-                r += rstride
-
     spmm.__name__ = f"snack_spmm_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}"
     return cuda.jit(spmm)
 
@@ -232,74 +208,76 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
 def make_sddmm_kernel(bt: int, kind: int):
     """dv[k] = sum_b dY[b, r_k] X[b, idx[k]] for the CSR rows r of W.
 
-    Signature: (x, dy, ptr, idx, dv, n_rows, n_cols, batch); x (B, n_cols), dy (B, n_rows),
-    dv (nnz,). Launch: grid (1, n_row_blocks), dynamic shared memory n_cols * bt * 4 bytes.
-    The block visits the batch tiles in turn (re-staging X) and accumulates dv in registers
-    per row pass, writing each dv[k] once at the last tile (read back for earlier tiles).
+    Signature: (x, dy, ptr, idx, dv, dvacc, n_rows, n_cols, batch); x (B, n_cols), dy (B, n_rows),
+    dv (nnz,), dvacc fp32 (nnz,) scratch when B > bt (else any fp32 array). Launch: grid
+    (1, n_row_blocks), dynamic shared memory bt * (n_cols | 1) * 4 bytes.
+    Lanes own non-zeros (32 per warp step); the row's dY[b0:b0 + bt, r] is broadcast once per
+    row into registers; the block visits the batch tiles in turn (re-staging X) and keeps the
+    partial sums of earlier tiles in dvacc (same thread, same entry: no atomics, deterministic).
     """
-    G = _check_bt(bt)
+    _check_bt(bt)
     BT = bt
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
+    stage = _make_stage(BT, ld)
 
     def sddmm(x, dy, ptr, idx, dv, dvacc, n_rows, n_cols, batch):
         xs = cuda.shared.array(0, dtype=float32)
+        ds = cuda.local.array(BT, dtype=float32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         lane = tid & 31
-        g = lane // BT
-        j = lane - g * BT
         nwarps = nthreads >> 5
+        stride = _row_count(n_cols)
         ntiles = (batch + BT - 1) // BT
         for tile in range(ntiles):
             b0 = tile * BT
             if tile > 0:
                 cuda.syncthreads()
-            total = n_cols * BT
-            for e in range(tid, total, nthreads):
-                jj = e // n_cols
-                c = e - jj * n_cols
-                b = b0 + jj
-                v = float32(0.0)
-                if b < batch:
-                    v = ld(x, b * n_cols + c)
-                xs[c * BT + jj] = v
+            stage(xs, x, b0, batch, n_cols, stride, tid, nthreads)
             cuda.syncthreads()
-            b = b0 + j
+            first = tile == 0
+            last = tile == ntiles - 1
             r = cuda.blockIdx.y * nwarps + (tid >> 5)
             rstride = cuda.gridDim.y * nwarps
             while r < n_rows:
-                d = float32(0.0)
-                if b < batch:
-                    d = ld(dy, b * n_rows + r)
+                dl = float32(0.0)
+                if lane < BT and b0 + lane < batch:
+                    dl = ld(dy, (b0 + lane) * n_rows + r)
+                for jj in range(BT):
+                    ds[jj] = cuda.shfl_sync(FULL_MASK, dl, jj)
                 start = ptr[r]
                 end = ptr[r + 1]
                 base = start
                 while base < end:
-                    k = base + lane
-                    cl = int32(0)
-                    if k < end:
-                        cl = idx[k]
-                    # group g handles entries base + t + g for t in 0, G, 2G, ...
-                    for t in range(0, 32, G):
-                        c0 = cuda.shfl_sync(FULL_MASK, cl, t + g)
-                        p = d * xs[c0 * BT + j]
-                        off = 1
-                        while off < BT:
-                            p += cuda.shfl_xor_sync(FULL_MASK, p, off)
-                            off *= 2
-                        kk = base + t + g
-                        if j == 0 and kk < end:
-                            if tile == 0:
-                                prev = float32(0.0)
-                            else:
-                                prev = dvacc[kk]
-                            tot = prev + p
-                            if tile == ntiles - 1:
-                                dv[kk] = cv(tot)
-                            else:
-                                dvacc[kk] = tot
-                    base += 32
+                    ka = base + lane
+                    kb = base + 32 + lane
+                    ca = int32(0)
+                    cb = int32(0)
+                    if ka < end:
+                        ca = idx[ka]
+                    if kb < end:
+                        cb = idx[kb]
+                    sa = float32(0.0)
+                    sb = float32(0.0)
+                    for jj in range(BT):
+                        sa += ds[jj] * xs[jj * stride + ca]
+                        sb += ds[jj] * xs[jj * stride + cb]
+                    if ka < end:
+                        if not first:
+                            sa += dvacc[ka]
+                        if last:
+                            dv[ka] = cv(sa)
+                        else:
+                            dvacc[ka] = sa
+                    if kb < end:
+                        if not first:
+                            sb += dvacc[kb]
+                        if last:
+                            dv[kb] = cv(sb)
+                        else:
+                            dvacc[kb] = sb
+                    base += 64
                 r += rstride
 
     sddmm.__name__ = f"snack_sddmm_bt{bt}_{KINDS[kind]}"

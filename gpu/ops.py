@@ -27,7 +27,7 @@ from .launch import as_kernel_array, device_properties, launch, launch_mode
 __all__ = ["spmm", "spmm_t", "sddmm", "choose_tile"]
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_THREADS = 64 if launch_mode() == "sim" else 512  # the simulator runs one OS thread per CUDA thread
+_THREADS = 64 if launch_mode() == "sim" else 1024  # the simulator runs one OS thread per CUDA thread
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device):
@@ -79,11 +79,12 @@ def choose_tile(batch: int, n_cols: int, device: torch.device, bt: Optional[int]
         bt = 1
         while bt < batch and bt < 8:
             bt *= 2
-    while bt >= 1 and n_cols * bt * 4 > max_smem:
+    stride = n_cols | 1
+    while bt >= 1 and stride * bt * 4 > max_smem:
         bt //= 2
     if bt < 1:
         return None, 0
-    return bt, n_cols * bt * 4
+    return bt, stride * bt * 4
 
 
 def _grid_rows(n_rows: int, ntiles: int, smem: int, device, threads: int):
