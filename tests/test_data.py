@@ -86,8 +86,9 @@ def test_mnist_load_tensors_normalised(mnist_test_arrays, monkeypatch):
 def test_cache_is_written_then_reused(cache, monkeypatch):
     assert not cache.exists()
     images, labels = data.load_arrays("mnist", "test")
-    files = sorted(p.name for p in cache.iterdir())
-    assert files == ["mnist-test-images.npy", "mnist-test-labels.npy"]
+    assert sorted(p.name for p in cache.iterdir()) == ["mnist-test.npz"]
+    assert data.cache_file("mnist", "test") == cache / "mnist-test.npz"
+    assert (cache / "mnist-test.npz").stat().st_size < 4e6  # compressed: raw is 7.9 MB
 
     def no_parse(*args, **kwargs):
         raise AssertionError("parsed again although the cache was there")
@@ -138,7 +139,7 @@ def test_fashion_idx_parsing(cache, tmp_path, monkeypatch, split, n):
     assert y.shape == (n,) and y.dtype == torch.int64
     torch.testing.assert_close(x, torch.from_numpy(images.reshape(n, 784)).float() / 255)
     assert torch.equal(y, torch.from_numpy(labels).long())
-    assert (cache / f"fashion-mnist-{split}-images.npy").is_file()
+    assert (cache / f"fashion-mnist-{split}.npz").is_file()
     mean, std = data._STATS["fashion-mnist"]
     xn, _ = data.load("fashion-mnist", split)  # from the cache now, standardised
     torch.testing.assert_close(xn, (x - mean) / std)
