@@ -4,17 +4,24 @@
     spmm_t(dy, topo, values) dX (B, in)  = dY W      dX[b, c] = sum_k v_k dY[b, r_k]
     sddmm(dy, x, topo)       dv (nnz,)               dv_k     = sum_b dY[b, r_k] X[b, c_k]
 
-Design: the batch is moved to the fast axis. X is copied once per call into X^T (in, B), so
-the non-zeros of a row gather whole contiguous rows of X^T and the loop over the batch
-vectorises. Each output row r keeps its accumulators for a tile of 64 batch columns in vector
-registers while it streams its non-zeros (CSR order: `topo.row_ptr`, `topo.cols`) and writes
-Y[:, r] once; rows are split into chunks of equal non-zero count, one parallel task each, so
-no two threads ever write the same element (no atomics, results are deterministic and do not
-depend on the thread count). dX = dY W is the same kernel run over the column-sorted order
-(`topo.col_ptr`, `topo.rows_by_col`), reading values through the cached permutation
-(`topo.col_perm`) so that no permuted copy of the values is made. SDDMM walks the rows in CSR
-order, keeps dY^T[r, :] hot and takes one dot product with a gathered X^T[c, :] per non-zero.
-B = 1 has its own loops (a plain dot product per row, four partial sums).
+Design: the batch is moved to the fast axis. X is copied once per call into X^T (in, Bp), its
+batch columns zero-padded to the kernel's tile widths, so that every non-zero gathers one
+contiguous row of X^T and the loop over the batch vectorises.
+- SpMM walks CSR order (`topo.row_ptr`, `topo.cols`). A row keeps the accumulators of a 64-wide
+  batch tile in vector registers while its non-zeros stream by, and writes Y[:, r] once; tiles of
+  at most 8 columns use 8 scalar registers, others a loop of run-time width; B = 1 is a plain dot
+  product with four partial sums. Parallel tasks are (chunk of rows of equal nnz, batch tile).
+- dX = dY W also walks CSR order (no permuted copy of the values, which costs a random gather of
+  all nnz per call): dX^T[c, :] += v_k dY^T[r_k, :], each task owning a range of columns c of
+  equal nnz; since columns are sorted within a row, a task's part of each row is one run, whose
+  bounds are found once per topology and cached. It scatters into a scratch dX^T (in, Bp) that
+  it alone touches, the row's dY^T tile staying in registers.
+- SDDMM walks CSR order, keeps dY^T[r, :] hot and takes one dot product with a gathered
+  X^T[c, :] per non-zero (reassociation allowed, so that the dot product vectorises).
+No two tasks write the same element (no atomics); every output element is summed in a fixed
+order, so results do not depend on the thread count. Numba's thread count follows
+torch.get_num_threads(). Topology-derived arrays (int32 CSR arrays, chunk bounds) are cached in
+`topo.cache` under keys starting with "cpu_".
 
 Trade-off: the X^T / dY^T copies cost B x (in + out) element moves per call, small against
 the nnz x B multiply-adds at the sparsities this is for (>= 0.8), and they buy contiguous,
@@ -54,103 +61,261 @@ def supports(dtype: torch.dtype) -> bool:
 #   split  int32 (nchunk + 1,)  first row (or column) of each parallel chunk, equal nnz per chunk
 #   ptr    int32 (n + 1,)       CSR row pointers (or CSC column pointers)
 #   idx    int32 (nnz,)         column of each entry in CSR order (or row, in CSC order)
-#   perm   int32 (nnz,) or (0,) position in `vals` of each entry (CSC order), or empty: identity
 #   vals   float (nnz,)         values in canonical row-major order
-#   src    float (m, B)         X^T (or dY^T): a row per input (output) feature
+#   src    float (m, Bp)        X^T (or dY^T), a row per input (output) feature, its batch
+#                               columns zero-padded to the plan's width Bp >= B
 #   dst    float (B, n)         written fully: Y (or dX)
+#   plan   int64 (ntile, 4)     batch tiles: (kind, first column b0, real width nb, loop width nw)
+# Numba's loop vectoriser (SLP is off) turns a loop of literal trip count 64 into four vector
+# FMAs with the accumulators in registers; shorter literal loops are unrolled to scalar code,
+# and a loop of run-time trip count keeps its accumulators in memory. Hence the tile kinds:
+_ONE, _NARROW, _WIDE, _ANY = 0, 1, 2, 3   # B = 1 | <= 8 columns | 64 columns | a multiple of 8
+_TILE = 64
+_NARROW_W = 8
+
+
+@njit(fastmath={"contract"}, inline="always")
+def _rows_one(r0, r1, ptr, idx, vals, src, dst):
+    """dst[0, r] = <row r, src[:, 0]>: a dot product with four partial sums."""
+    zero = src.dtype.type(0)
+    for r in range(r0, r1):
+        s0 = zero
+        s1 = zero
+        s2 = zero
+        s3 = zero
+        k = ptr[r]
+        k1 = ptr[r + 1]
+        while k + 4 <= k1:
+            s0 += vals[k] * src[idx[k], 0]
+            s1 += vals[k + 1] * src[idx[k + 1], 0]
+            s2 += vals[k + 2] * src[idx[k + 2], 0]
+            s3 += vals[k + 3] * src[idx[k + 3], 0]
+            k += 4
+        while k < k1:
+            s0 += vals[k] * src[idx[k], 0]
+            k += 1
+        dst[0, r] = (s0 + s1) + (s2 + s3)
+
+
+@njit(fastmath={"contract"}, inline="always")
+def _rows_wide(r0, r1, ptr, idx, vals, src, dst, b0, nb):
+    """Batch columns b0 .. b0 + 63 of rows r0 .. r1 - 1 (64 register accumulators per row)."""
+    acc = np.empty(_TILE, src.dtype)
+    zero = src.dtype.type(0)
+    for r in range(r0, r1):
+        for j in range(_TILE):
+            acc[j] = zero
+        for k in range(ptr[r], ptr[r + 1]):
+            v = vals[k]
+            row = src[idx[k], b0:b0 + _TILE]
+            for j in range(_TILE):
+                acc[j] += v * row[j]
+        for j in range(nb):
+            dst[b0 + j, r] = acc[j]
+
+
+@njit(fastmath={"contract"}, inline="always")
+def _rows_narrow(r0, r1, ptr, idx, vals, src, dst, b0, nb):
+    """Batch columns b0 .. b0 + 7 (8 scalar register accumulators per row)."""
+    acc = np.empty(_NARROW_W, src.dtype)
+    zero = src.dtype.type(0)
+    for r in range(r0, r1):
+        for j in range(_NARROW_W):
+            acc[j] = zero
+        for k in range(ptr[r], ptr[r + 1]):
+            v = vals[k]
+            row = src[idx[k], b0:b0 + _NARROW_W]
+            for j in range(_NARROW_W):
+                acc[j] += v * row[j]
+        for j in range(nb):
+            dst[b0 + j, r] = acc[j]
+
+
+@njit(fastmath={"contract"}, inline="always")
+def _rows_any(r0, r1, ptr, idx, vals, src, dst, b0, nb, nw):
+    """Batch columns b0 .. b0 + nw - 1, nw a multiple of 8 (accumulators in L1)."""
+    acc = np.empty(nw, src.dtype)
+    zero = src.dtype.type(0)
+    for r in range(r0, r1):
+        for j in range(nw):
+            acc[j] = zero
+        for k in range(ptr[r], ptr[r + 1]):
+            v = vals[k]
+            row = src[idx[k], b0:b0 + nw]
+            for j in range(nw):
+                acc[j] += v * row[j]
+        for j in range(nb):
+            dst[b0 + j, r] = acc[j]
+
 
 @njit(parallel=True, fastmath={"contract"}, cache=True, nogil=True)
-def _spmm_kernel(split, ptr, idx, perm, vals, src, dst):
-    B = src.shape[1]
+def _spmm_kernel(split, ptr, idx, vals, src, dst, plan):
     nchunk = split.shape[0] - 1
-    use_perm = perm.shape[0] > 0
-    zero = src.dtype.type(0)
-    nfull = B // _TILE
-    rem = B - nfull * _TILE
-    for ch in prange(nchunk):
+    ntile = plan.shape[0]
+    for it in prange(nchunk * ntile):
+        t = it // nchunk
+        ch = it - t * nchunk
         r0 = split[ch]
         r1 = split[ch + 1]
-        if B == 1:
-            for r in range(r0, r1):
-                s0 = zero
-                s1 = zero
-                s2 = zero
-                s3 = zero
-                k = ptr[r]
-                k1 = ptr[r + 1]
-                if use_perm:
-                    while k + 4 <= k1:
-                        s0 += vals[perm[k]] * src[idx[k], 0]
-                        s1 += vals[perm[k + 1]] * src[idx[k + 1], 0]
-                        s2 += vals[perm[k + 2]] * src[idx[k + 2], 0]
-                        s3 += vals[perm[k + 3]] * src[idx[k + 3], 0]
-                        k += 4
-                    while k < k1:
-                        s0 += vals[perm[k]] * src[idx[k], 0]
-                        k += 1
-                else:
-                    while k + 4 <= k1:
-                        s0 += vals[k] * src[idx[k], 0]
-                        s1 += vals[k + 1] * src[idx[k + 1], 0]
-                        s2 += vals[k + 2] * src[idx[k + 2], 0]
-                        s3 += vals[k + 3] * src[idx[k + 3], 0]
-                        k += 4
-                    while k < k1:
-                        s0 += vals[k] * src[idx[k], 0]
-                        k += 1
-                dst[0, r] = (s0 + s1) + (s2 + s3)
+        kind = plan[t, 0]
+        b0 = plan[t, 1]
+        nb = plan[t, 2]
+        if kind == _ONE:
+            _rows_one(r0, r1, ptr, idx, vals, src, dst)
+        elif kind == _NARROW:
+            _rows_narrow(r0, r1, ptr, idx, vals, src, dst, b0, nb)
+        elif kind == _WIDE:
+            _rows_wide(r0, r1, ptr, idx, vals, src, dst, b0, nb)
+        else:
+            _rows_any(r0, r1, ptr, idx, vals, src, dst, b0, nb, plan[t, 3])
+
+
+# dX = dY W in row order, without permuting the values: dX^T[c, :] += v_k dY^T[r_k, :].
+# Parallel tasks own disjoint ranges of columns c (equal nnz per range). Within a row the columns
+# are sorted, so the part of each row that falls in a task's column range is one contiguous run
+# (found once per topology by binary search and cached); a task touches only its own non-zeros
+# and accumulates into its rows of a scratch dX^T (in, Bp), keeping the row's dY^T tile
+# in registers, then writes its columns of dX. Each dX[b, c] is summed in row order whatever the
+# thread count, and no copy of the values in column order is made.
+@njit(fastmath={"contract"}, inline="always")
+def _scatter_one(k0, k1, idx, vals, g, part):
+    for k in range(k0, k1):
+        part[idx[k], 0] += vals[k] * g
+
+
+@njit(fastmath={"contract"}, inline="always")
+def _scatter_wide(k0, k1, idx, vals, g, part, b0):
+    for k in range(k0, k1):
+        v = vals[k]
+        tgt = part[idx[k], b0:b0 + _TILE]
+        for j in range(_TILE):
+            tgt[j] += v * g[j]
+
+
+@njit(fastmath={"contract"}, inline="always")
+def _scatter_narrow(k0, k1, idx, vals, g, part, b0):
+    for k in range(k0, k1):
+        v = vals[k]
+        tgt = part[idx[k], b0:b0 + _NARROW_W]
+        for j in range(_NARROW_W):
+            tgt[j] += v * g[j]
+
+
+@njit(fastmath={"contract"}, inline="always")
+def _scatter_any(k0, k1, idx, vals, g, part, b0, nw):
+    for k in range(k0, k1):
+        v = vals[k]
+        tgt = part[idx[k], b0:b0 + nw]
+        for j in range(nw):
+            tgt[j] += v * g[j]
+
+
+@njit(parallel=True, fastmath={"contract"}, cache=True, nogil=True)
+def _spmm_t_kernel(csplit, bounds, idx, vals, src, part, dst, plan):
+    """csplit int32 (nchunk + 1,): column boundaries; bounds int32 (nchunk + 1, out): bounds[ch, r]
+    is the first CSR position of row r whose column is >= csplit[ch]; idx: columns in CSR order;
+    src dY^T (out, Bp); part: scratch dX^T (in, Bp); dst: dX (B, in)."""
+    nchunk = csplit.shape[0] - 1
+    ntile = plan.shape[0]
+    nrows = bounds.shape[1]
+    zero = src.dtype.type(0)
+    for it in prange(nchunk * ntile):
+        t = it // nchunk
+        ch = it - t * nchunk
+        c0 = csplit[ch]
+        c1 = csplit[ch + 1]
+        if c0 == c1:
             continue
-        acc = np.empty(_TILE, src.dtype)
-        for t in range(nfull):
-            b0 = t * _TILE
-            for r in range(r0, r1):
-                for j in range(_TILE):
-                    acc[j] = zero
-                for k in range(ptr[r], ptr[r + 1]):
-                    v = vals[perm[k]] if use_perm else vals[k]
-                    row = src[idx[k]]
-                    for j in range(_TILE):
-                        acc[j] += v * row[b0 + j]
-                for j in range(_TILE):
-                    dst[b0 + j, r] = acc[j]
-        if rem > 0:
-            b0 = nfull * _TILE
-            for r in range(r0, r1):
-                for j in range(rem):
-                    acc[j] = zero
-                for k in range(ptr[r], ptr[r + 1]):
-                    v = vals[perm[k]] if use_perm else vals[k]
-                    row = src[idx[k]]
-                    for j in range(rem):
-                        acc[j] += v * row[b0 + j]
-                for j in range(rem):
-                    dst[b0 + j, r] = acc[j]
+        kind = plan[t, 0]
+        b0 = plan[t, 1]
+        nb = plan[t, 2]
+        nw = plan[t, 3]
+        for c in range(c0, c1):
+            for j in range(b0, b0 + nw):
+                part[c, j] = zero
+        lo = bounds[ch]
+        hi = bounds[ch + 1]
+        for r in range(nrows):
+            k0 = lo[r]
+            k1 = hi[r]
+            if k0 == k1:
+                continue
+            if kind == _ONE:
+                _scatter_one(k0, k1, idx, vals, src[r, 0], part)
+            elif kind == _NARROW:
+                _scatter_narrow(k0, k1, idx, vals, src[r, b0:b0 + _NARROW_W], part, b0)
+            elif kind == _WIDE:
+                _scatter_wide(k0, k1, idx, vals, src[r, b0:b0 + _TILE], part, b0)
+            else:
+                _scatter_any(k0, k1, idx, vals, src[r, b0:b0 + nw], part, b0, nw)
+        for j in range(b0, b0 + nb):
+            for c in range(c0, c1):
+                dst[j, c] = part[c, j]
 
 
-# reassoc: lets LLVM vectorise the dot product over the batch (a fixed tree order per build;
+# reassoc lets LLVM vectorise the dot products over the batch (a fixed summation tree per build:
 # results still do not depend on the thread count).
 @njit(parallel=True, fastmath={"contract", "reassoc"}, cache=True, nogil=True)
 def _sddmm_kernel(split, ptr, idx, dyt, xt, dv):
-    B = xt.shape[1]
+    """dv[k] = <dyt[r_k, :], xt[c_k, :]>; dyt (out, Bp), xt (in, Bp), zero-padded alike."""
+    width = xt.shape[1]
     nchunk = split.shape[0] - 1
     zero = xt.dtype.type(0)
     for ch in prange(nchunk):
         r0 = split[ch]
         r1 = split[ch + 1]
-        if B == 1:
+        if width == 1:
             for r in range(r0, r1):
                 g = dyt[r, 0]
                 for k in range(ptr[r], ptr[r + 1]):
                     dv[k] = g * xt[idx[k], 0]
-            continue
-        for r in range(r0, r1):
-            grow = dyt[r]
-            for k in range(ptr[r], ptr[r + 1]):
-                xrow = xt[idx[k]]
-                s = zero
-                for b in range(B):
-                    s += grow[b] * xrow[b]
-                dv[k] = s
+        elif width == _NARROW_W:
+            for r in range(r0, r1):
+                grow = dyt[r, :_NARROW_W]
+                for k in range(ptr[r], ptr[r + 1]):
+                    xrow = xt[idx[k], :_NARROW_W]
+                    s = zero
+                    for b in range(_NARROW_W):
+                        s += grow[b] * xrow[b]
+                    dv[k] = s
+        else:
+            for r in range(r0, r1):
+                grow = dyt[r]
+                for k in range(ptr[r], ptr[r + 1]):
+                    xrow = xt[idx[k]]
+                    s = zero
+                    for b in range(width):
+                        s += grow[b] * xrow[b]
+                    dv[k] = s
+
+
+def _plan(B: int):
+    """Batch tiles for the SpMM kernel: (plan int64 (ntile, 4), padded width)."""
+    if B == 1:
+        return np.array([[_ONE, 0, 1, 1]], np.int64), 1
+    tiles = []
+    b0 = 0
+    while B - b0 >= 48:  # a 64-wide register tile beats the in-memory loop from ~48 columns
+        tiles.append((_WIDE, b0, min(_TILE, B - b0), _TILE))
+        b0 += _TILE
+    rem = B - b0
+    if 0 < rem <= _NARROW_W:
+        tiles.append((_NARROW, b0, rem, _NARROW_W))
+    elif rem > _NARROW_W:
+        tiles.append((_ANY, b0, rem, -(-rem // 8) * 8))
+    width = tiles[-1][1] + tiles[-1][3]
+    return np.array(tiles, np.int64), width
+
+
+def _sddmm_width(B: int) -> int:
+    """Padded batch width for SDDMM: 1, 8, a multiple of 8 below 48, else a multiple of 64."""
+    if B <= 1:
+        return B
+    if B <= _NARROW_W:
+        return _NARROW_W
+    if B < 48:
+        return -(-B // 8) * 8
+    return -(-B // _TILE) * _TILE
 
 
 # ---- topology arrays (cached on the Topology) ---------------------------------------------------
@@ -169,27 +334,34 @@ def _split(ptr: np.ndarray, nchunk: int) -> np.ndarray:
 
 
 def _csr(topo: Topology, nchunk: int):
+    """(split, row_ptr, cols): int32 numpy arrays cached on the topology; split cuts the rows
+    into `nchunk` chunks of about equal nnz."""
     c = topo.cache.get("cpu_csr")
     if c is None:
-        ptr = _np_i32(topo.row_ptr)
-        c = {"ptr": ptr, "idx": _np_i32(topo.cols), "perm": np.empty(0, np.int32)}
-        topo.cache["cpu_csr"] = c
+        c = topo.cache["cpu_csr"] = {"ptr": _np_i32(topo.row_ptr), "idx": _np_i32(topo.cols)}
     s = c.get(nchunk)
     if s is None:
         s = c[nchunk] = _split(c["ptr"], nchunk)
-    return s, c["ptr"], c["idx"], c["perm"]
+    return s, c["ptr"], c["idx"]
 
 
-def _csc(topo: Topology, nchunk: int):
-    c = topo.cache.get("cpu_csc")
+def _col_bounds(topo: Topology, nchunk: int):
+    """(csplit, bounds), cached: `nchunk` column ranges of about equal nnz (int32 (nchunk + 1,)),
+    and for each range boundary and row the first CSR position at or past it (int32
+    (nchunk + 1, rows))."""
+    c = topo.cache.get("cpu_colbounds")
     if c is None:
-        c = {"ptr": _np_i32(topo.col_ptr), "idx": _np_i32(topo.rows_by_col),
-             "perm": _np_i32(topo.col_perm)}
-        topo.cache["cpu_csc"] = c
-    s = c.get(nchunk)
-    if s is None:
-        s = c[nchunk] = _split(c["ptr"], nchunk)
-    return s, c["ptr"], c["idx"], c["perm"]
+        c = topo.cache["cpu_colbounds"] = {}
+    got = c.get(nchunk)
+    if got is None:
+        rows, cols = topo.shape
+        csplit = _split(_np_i32(topo.col_ptr), nchunk)
+        idx = topo.indices.to(torch.int64)
+        keys = (idx[0] * cols + idx[1]).numpy()  # increasing: canonical row-major order
+        want = np.arange(rows, dtype=np.int64)[None, :] * cols + csplit.astype(np.int64)[:, None]
+        bounds = np.searchsorted(keys, want.ravel(), side="left").reshape(want.shape)
+        got = c[nchunk] = (csplit, bounds.astype(np.int32))
+    return got
 
 
 def _threads() -> int:
@@ -253,13 +425,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in _NATIVE else torch.float32
 
 
-def _transposed(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    """t (B, n) -> C-contiguous (n, B) numpy array of `dtype` (one copy; none when B = 1)."""
+def _transposed(t: torch.Tensor, dtype: torch.dtype, width: int) -> np.ndarray:
+    """t (B, n) -> C-contiguous (n, width) numpy array of `dtype`, columns >= B zero (one copy;
+    none when B = width = 1 and t is a plain contiguous `dtype` tensor)."""
     t = t.detach()
-    if t.shape[0] == 1 and t.dtype == dtype and t.is_contiguous() and not t.is_neg() and not t.is_conj():
-        return t.reshape(t.shape[1], 1).numpy()
-    buf = torch.empty((t.shape[1], t.shape[0]), dtype=dtype)
-    buf.copy_(t.t())
+    B, n = t.shape
+    if width == 1 and t.dtype == dtype and t.is_contiguous() and not t.is_neg():
+        return t.reshape(n, 1).numpy()
+    buf = torch.empty((n, width), dtype=dtype)
+    if width == B:
+        buf.copy_(t.t())
+    else:
+        buf[:, :B].copy_(t.t())
+        buf[:, B:].zero_()
     return buf.numpy()
 
 
@@ -286,22 +464,6 @@ def _finish(res: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return res
 
 
-def _spmm_any(src_t: torch.Tensor, values: torch.Tensor, out, shape, arrays) -> torch.Tensor:
-    dtype = src_t.dtype
-    cdtype = _compute_dtype(dtype)
-    res, buf = _result(out, shape, dtype, cdtype)
-    if shape[0] == 0:
-        return res
-    if shape[1] == 0 or src_t.shape[1] == 0 or values.shape[0] == 0:
-        return res.zero_()
-    split, ptr, idx, perm = arrays
-    with torch.no_grad():
-        src = _transposed(src_t, cdtype)
-        vals = _vector(values, cdtype)
-        _spmm_kernel(split, ptr, idx, perm, vals, src, buf.detach().numpy())
-    return _finish(res, buf)
-
-
 def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y = X W^T on the CPU.
@@ -318,7 +480,18 @@ def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor,
     _check_values(values, topo, x.dtype)
     shape = (x.shape[0], topo.shape[0])
     _check_out(out, shape, x.dtype)
-    return _spmm_any(x, values, out, shape, _csr(topo, _threads() * _CHUNKS_PER_THREAD))
+    cdtype = _compute_dtype(x.dtype)
+    res, buf = _result(out, shape, x.dtype, cdtype)
+    if shape[0] == 0 or shape[1] == 0:
+        return res
+    if x.shape[1] == 0 or topo.nnz == 0:
+        return res.zero_()
+    split, ptr, idx = _csr(topo, _threads() * _CHUNKS_PER_THREAD)
+    plan, width = _plan(shape[0])
+    with torch.no_grad():
+        _spmm_kernel(split, ptr, idx, _vector(values, cdtype), _transposed(x, cdtype, width),
+                     buf.detach().numpy(), plan)
+    return _finish(res, buf)
 
 
 def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,
@@ -337,7 +510,23 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,
     _check_values(values, topo, dy.dtype)
     shape = (dy.shape[0], topo.shape[1])
     _check_out(out, shape, dy.dtype)
-    return _spmm_any(dy, values, out, shape, _csc(topo, _threads() * _CHUNKS_PER_THREAD))
+    dtype = dy.dtype
+    cdtype = _compute_dtype(dtype)
+    res, buf = _result(out, shape, dtype, cdtype)
+    if shape[0] == 0 or shape[1] == 0:
+        return res
+    if dy.shape[1] == 0 or topo.nnz == 0:
+        return res.zero_()
+    nchunk = _threads()  # one column range per thread: more ranges cost more passes over the rows
+    _, _, idx = _csr(topo, nchunk)
+    csplit, bounds = _col_bounds(topo, nchunk)
+    plan, width = _plan(shape[0])
+    with torch.no_grad():
+        src = _transposed(dy, cdtype, width)
+        vals = _vector(values, cdtype)
+        part = np.empty((shape[1], width), dtype=src.dtype)
+        _spmm_t_kernel(csplit, bounds, idx, vals, src, part, buf.detach().numpy(), plan)
+    return _finish(res, buf)
 
 
 def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
@@ -367,8 +556,9 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
         return res
     if dy.shape[0] == 0:
         return res.zero_()
-    split, ptr, idx, _ = _csr(topo, _threads() * _CHUNKS_PER_THREAD)
+    split, ptr, idx = _csr(topo, _threads() * _CHUNKS_PER_THREAD)
     with torch.no_grad():
-        _sddmm_kernel(split, ptr, idx, _transposed(dy, cdtype), _transposed(x, cdtype),
+        width = _sddmm_width(dy.shape[0])
+        _sddmm_kernel(split, ptr, idx, _transposed(dy, cdtype, width), _transposed(x, cdtype, width),
                       buf.detach().numpy())
     return _finish(res, buf)
