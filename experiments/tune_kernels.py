@@ -22,7 +22,7 @@ def main(argv=None):
     import snack.gpu as G
     from snack.core import COO
     n_out, n_in = (int(v) for v in args.shape.split("x"))
-    print(f"{'sp':>5} {'B':>4} {'BT':>3} {'thr':>5} {'fwd':>8} {'dX':>8} {'sddmm':>8}")
+    print(f"{'sp':>5} {'B':>4} {'config':>8} {'thr':>5} {'fwd':>8} {'dX':>8} {'sddmm':>8}")
     for sp in [float(s) for s in args.sparsity.split(",")]:
         coo = COO.random((n_out, n_in), density=1 - sp, seed=0, device="cuda")
         topo, v = coo.topology, coo.values
@@ -32,19 +32,23 @@ def main(argv=None):
             y = torch.empty(B, n_out, device="cuda")
             dx = torch.empty(B, n_in, device="cuda")
             dv = torch.empty(coo.nnz, device="cuda")
-            for bt in [int(b) for b in args.bt.split(",")]:
-                if bt > 2 * max(B, 1) and bt > 1:
-                    continue
+            configs = [dict(bt=bt, wide=False) for bt in (int(b) for b in args.bt.split(","))
+                       if bt == 1 or bt <= 2 * B]
+            if B >= 8:
+                configs += [dict(wide=True, chunks=ch) for ch in (None, 4, 6)]
+            for cfg in configs:
                 for th in [int(t) for t in args.threads.split(",")]:
                     res = []
-                    for fn in (lambda: G.spmm(x, topo, v, out=y, bt=bt, threads=th),
-                               lambda: G.spmm_t(dy, topo, v, out=dx, bt=bt, threads=th),
-                               lambda: G.sddmm(dy, x, topo, out=dv, bt=bt, threads=th)):
+                    for fn in (lambda: G.spmm(x, topo, v, out=y, threads=th, **cfg),
+                               lambda: G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg),
+                               lambda: G.sddmm(dy, x, topo, out=dv, threads=th, **cfg)):
                         try:
                             res.append(do_bench_cudagraph(fn, rep=15, return_mode="median") * 1e3)
                         except Exception as e:  # noqa: BLE001
+                            print("failed:", cfg, e)
                             res.append(float("nan"))
-                    print(f"{sp:5} {B:4} {bt:3} {th:5} {res[0]:8.2f} {res[1]:8.2f} {res[2]:8.2f}", flush=True)
+                    name = f"bt{cfg['bt']}" if not cfg["wide"] else f"wide/{cfg['chunks'] or 'auto'}"
+                    print(f"{sp:5} {B:4} {name:>8} {th:5} {res[0]:8.2f} {res[1]:8.2f} {res[2]:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

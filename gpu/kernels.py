@@ -282,3 +282,276 @@ def make_sddmm_kernel(bt: int, kind: int):
 
     sddmm.__name__ = f"snack_sddmm_bt{bt}_{KINDS[kind]}"
     return cuda.jit(sddmm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wide batch tiles (32 batch columns per block) with column chunks.
+#
+# For B >= 16 the BT <= 8 kernels above read shared memory with bank conflicts (groups of a
+# warp hit random banks) and stream W once per 8 batch columns. Here a block stages a chunk of
+# `cw` columns of X for 32 batch columns, xs[cl * 32 + (j ^ (cl & 7))] = X[b0 + j, c0 + cl]
+# (the xor swizzle makes the staging stores conflict-free), and a warp splits into 4 groups of
+# 8 lanes; lane (g, jj) covers batch columns 8 * ((g + q) & 3) + jj for q = 0..3, so at every
+# step the 4 groups read 4 different 8-bank windows: conflict-free, 32 products per read.
+# The CSR order is kept: the non-zeros of row r in chunk ch are the contiguous range
+# seg[r * nch + ch] .. seg[r * nch + ch + 1] (canonical order is column-sorted within a row).
+# With several chunks, partial rows are added into a zeroed fp32 output with atomics.
+# ---------------------------------------------------------------------------------------------
+WIDE = 32
+
+
+def _make_stage_wide(ld):
+    @cuda.jit(device=True, inline=True)
+    def stage(xs, x, b0, c0, width, batch, n_cols, tid, nthreads):
+        """xs[cl * 32 + (j ^ (cl & 7))] = X[b0 + j, c0 + cl] for cl < width (0 past the batch).
+
+        A warp instruction covers 8 consecutive columns x 4 batch rows (4 full 32-byte sectors
+        read, 32 distinct banks written); items are unrolled by 2 so loads overlap.
+        """
+        lane = tid & 31
+        warp = tid >> 5
+        nwarps = nthreads >> 5
+        jb = lane >> 3
+        cli = lane & 7
+        n_items = ((width + 7) >> 3) * 8
+        item = warp
+        while item < n_items:
+            cl = (item >> 3) * 8 + cli
+            j = jb * 8 + (item & 7)
+            b = b0 + j
+            v = float32(0.0)
+            if cl < width and b < batch:
+                v = ld(x, b * n_cols + c0 + cl)
+            item2 = item + nwarps
+            cl2 = (item2 >> 3) * 8 + cli
+            j2 = jb * 8 + (item2 & 7)
+            b2 = b0 + j2
+            v2 = float32(0.0)
+            if item2 < n_items and cl2 < width and b2 < batch:
+                v2 = ld(x, b2 * n_cols + c0 + cl2)
+            if cl < width:
+                xs[cl * 32 + (j ^ (cl & 7))] = v
+            if item2 < n_items and cl2 < width:
+                xs[cl2 * 32 + (j2 ^ (cl2 & 7))] = v2
+            item += 2 * nwarps
+    return stage
+
+
+@functools.lru_cache(maxsize=None)
+def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
+    """Y = X W^T for 32-column batch tiles and column chunks (see the comment above).
+
+    Signature: (x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw).
+    x (B, n_cols); seg int32 (n_rows * nch + 1,); idx int32 (nnz,) global column of each entry;
+    val (nnz,), read through perm when has_perm; y (B, n_rows): with `atomic` an fp32 buffer
+    that must be zero (partial sums are added), else written once per element.
+    Launch: grid (nch * n_batch_tiles, n_row_blocks), dynamic shared memory cw * 32 * 4 bytes.
+    """
+    ld = _LOADERS[kind]
+    cv = _CONVERTERS[kind]
+    HAS_PERM = has_perm
+    ATOMIC = atomic
+    stage = _make_stage_wide(ld)
+
+    @cuda.jit(device=True, inline=True)
+    def load_nz(idx, val, perm, k, end, cdef):
+        c = cdef
+        v = float32(0.0)
+        if k < end:
+            c = idx[k]
+            if HAS_PERM:
+                v = ld(val, perm[k])
+            else:
+                v = ld(val, k)
+        return c, v
+
+    def spmm_wide(x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw):
+        xs = cuda.shared.array(0, dtype=float32)
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        ch = cuda.blockIdx.x % nch
+        b0 = (cuda.blockIdx.x // nch) * WIDE
+        c0 = ch * cw
+        width = min(cw, n_cols - c0)
+        stage(xs, x, b0, c0, width, batch, n_cols, tid, nthreads)
+        cuda.syncthreads()
+
+        lane = tid & 31
+        g = lane >> 3
+        jj = lane & 7
+        w0 = ((g + 0) & 3) * 8
+        w1 = ((g + 1) & 3) * 8
+        w2 = ((g + 2) & 3) * 8
+        w3 = ((g + 3) & 3) * 8
+        nwarps = nthreads >> 5
+        r = cuda.blockIdx.y * nwarps + (tid >> 5)
+        rstride = cuda.gridDim.y * nwarps
+        while r < n_rows:
+            s0 = seg[r * nch + ch]
+            s1 = seg[r * nch + ch + 1]
+            if ATOMIC and s0 == s1:
+                r += rstride
+                continue
+            a0 = float32(0.0)
+            a1 = float32(0.0)
+            a2 = float32(0.0)
+            a3 = float32(0.0)
+            ca, va = load_nz(idx, val, perm, s0 + lane, s1, c0)
+            cb, vb = load_nz(idx, val, perm, s0 + 32 + lane, s1, c0)
+            base = s0
+            while base < s1:
+                nb = base + 64
+                na, nva = load_nz(idx, val, perm, nb + lane, s1, c0)
+                nbb, nvb = load_nz(idx, val, perm, nb + 32 + lane, s1, c0)
+                for t in range(0, 32, 4):
+                    c = cuda.shfl_sync(FULL_MASK, ca, t + g) - c0
+                    v = cuda.shfl_sync(FULL_MASK, va, t + g)
+                    cc = cuda.shfl_sync(FULL_MASK, cb, t + g) - c0
+                    vv = cuda.shfl_sync(FULL_MASK, vb, t + g)
+                    p = c * 32 + (jj ^ (c & 7))
+                    pp = cc * 32 + (jj ^ (cc & 7))
+                    a0 += v * xs[p + w0] + vv * xs[pp + w0]
+                    a1 += v * xs[p + w1] + vv * xs[pp + w1]
+                    a2 += v * xs[p + w2] + vv * xs[pp + w2]
+                    a3 += v * xs[p + w3] + vv * xs[pp + w3]
+                ca = na
+                va = nva
+                cb = nbb
+                vb = nvb
+                base = nb
+            # window w = (g + q) & 3 is in a_q; sum each window over the 4 groups
+            mine = float32(0.0)
+            for w in range(4):
+                q = (w - g) & 3
+                s = a3
+                if q == 0:
+                    s = a0
+                elif q == 1:
+                    s = a1
+                elif q == 2:
+                    s = a2
+                s += cuda.shfl_xor_sync(FULL_MASK, s, 8)
+                s += cuda.shfl_xor_sync(FULL_MASK, s, 16)
+                if w == g:
+                    mine = s
+            b = b0 + g * 8 + jj
+            if b < batch:
+                if ATOMIC:
+                    cuda.atomic.add(y, b * n_rows + r, mine)
+                else:
+                    y[b * n_rows + r] = cv(mine)
+            r += rstride
+
+    spmm_wide.__name__ = f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}{'_atomic' if atomic else ''}"
+    return cuda.jit(spmm_wide)
+
+
+@functools.lru_cache(maxsize=None)
+def make_sddmm_wide_kernel(kind: int):
+    """dv[k] = sum_b dY[b, r_k] X[b, idx[k]] with 32-column batch tiles and column chunks.
+
+    Signature: (x, dy, seg, idx, dv, dvacc, n_rows, n_cols, batch, nch, cw); dvacc fp32 (nnz,)
+    scratch when B > 32. Launch: grid (nch, n_row_blocks), shared memory cw * 32 * 4 bytes.
+    A warp takes 32 non-zeros at a time; group g multiplies non-zeros 8g .. 8g + 7 over its
+    lanes' 4 x 8 batch columns (conflict-free reads as in the SpMM), then a transposing
+    butterfly (7 shuffles for 8 sums) leaves the total of non-zero base + lane in lane `lane`.
+    Batch tiles are visited in turn by the same block (same thread, same entry: no atomics).
+    """
+    ld = _LOADERS[kind]
+    cv = _CONVERTERS[kind]
+    stage = _make_stage_wide(ld)
+
+    def sddmm_wide(x, dy, seg, idx, dv, dvacc, n_rows, n_cols, batch, nch, cw):
+        xs = cuda.shared.array(0, dtype=float32)
+        p = cuda.local.array(8, dtype=float32)
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        ch = cuda.blockIdx.x
+        c0 = ch * cw
+        width = min(cw, n_cols - c0)
+        lane = tid & 31
+        g = lane >> 3
+        jj = lane & 7
+        w0 = ((g + 0) & 3) * 8
+        w1 = ((g + 1) & 3) * 8
+        w2 = ((g + 2) & 3) * 8
+        w3 = ((g + 3) & 3) * 8
+        nwarps = nthreads >> 5
+        ntiles = (batch + WIDE - 1) // WIDE
+        for tile in range(ntiles):
+            b0 = tile * WIDE
+            if tile > 0:
+                cuda.syncthreads()
+            stage(xs, x, b0, c0, width, batch, n_cols, tid, nthreads)
+            cuda.syncthreads()
+            first = tile == 0
+            last = tile == ntiles - 1
+            r = cuda.blockIdx.y * nwarps + (tid >> 5)
+            rstride = cuda.gridDim.y * nwarps
+            while r < n_rows:
+                s0 = seg[r * nch + ch]
+                s1 = seg[r * nch + ch + 1]
+                if s0 == s1:
+                    r += rstride
+                    continue
+                # dY[b, r] for this lane's 4 batch columns
+                d0 = float32(0.0)
+                d1 = float32(0.0)
+                d2 = float32(0.0)
+                d3 = float32(0.0)
+                if b0 + w0 + jj < batch:
+                    d0 = ld(dy, (b0 + w0 + jj) * n_rows + r)
+                if b0 + w1 + jj < batch:
+                    d1 = ld(dy, (b0 + w1 + jj) * n_rows + r)
+                if b0 + w2 + jj < batch:
+                    d2 = ld(dy, (b0 + w2 + jj) * n_rows + r)
+                if b0 + w3 + jj < batch:
+                    d3 = ld(dy, (b0 + w3 + jj) * n_rows + r)
+                base = s0
+                k = base + lane
+                cl = c0
+                if k < s1:
+                    cl = idx[k]
+                while base < s1:
+                    kn = base + 32 + lane
+                    cn = c0
+                    if kn < s1:
+                        cn = idx[kn]
+                    for i in range(8):
+                        c = cuda.shfl_sync(FULL_MASK, cl, g * 8 + i) - c0
+                        q = c * 32 + (jj ^ (c & 7))
+                        p[i] = d0 * xs[q + w0] + d1 * xs[q + w1] + d2 * xs[q + w2] + d3 * xs[q + w3]
+                    # transposing butterfly over the group's 8 lanes (branch-free: every lane
+                    # takes part in every shuffle)
+                    up4 = (jj & 4) != 0
+                    for i in range(4):
+                        lo = p[i]
+                        hi = p[i + 4]
+                        keep = hi if up4 else lo
+                        send = lo if up4 else hi
+                        p[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, 4)
+                    up2 = (jj & 2) != 0
+                    for i in range(2):
+                        lo = p[i]
+                        hi = p[i + 2]
+                        keep = hi if up2 else lo
+                        send = lo if up2 else hi
+                        p[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, 2)
+                    up1 = (jj & 1) != 0
+                    keep = p[1] if up1 else p[0]
+                    send = p[0] if up1 else p[1]
+                    tot = keep + cuda.shfl_xor_sync(FULL_MASK, send, 1)
+                    if k < s1:
+                        if not first:
+                            tot += dvacc[k]
+                        if last:
+                            dv[k] = cv(tot)
+                        else:
+                            dvacc[k] = tot
+                    base += 32
+                    k = kn
+                    cl = cn
+                r += rstride
+
+    sddmm_wide.__name__ = f"snack_sddmm_wide_{KINDS[kind]}"
+    return cuda.jit(sddmm_wide)

@@ -96,7 +96,8 @@ class _DriverKernel:
             err, = driver.cuFuncSetAttribute(self.handle, attr, max_smem)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cannot set the shared-memory limit of a SNACK kernel: {err}")
-        self._streams = {}
+        self.fn = int(self.handle)
+        self._launch = _libcuda_launch()
 
     def __call__(self, grid, block, smem, arrays, scalars, stream_ptr):
         s = self.slots
@@ -113,14 +114,28 @@ class _DriverKernel:
         for v in scalars:
             s[i] = v
             i += 1
-        st = self._streams.get(stream_ptr)
-        if st is None:
-            st = self._driver.CUstream(stream_ptr)
-            self._streams[stream_ptr] = st
-        err, = self._driver.cuLaunchKernel(self.handle, grid[0], grid[1], 1, block, 1, 1, smem,
-                                           st, self.params, 0)
-        if err != self._driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"SNACK kernel launch failed: {err}")
+        err = self._launch(self.fn, grid[0], grid[1], 1, block, 1, 1, smem, stream_ptr,
+                           self.params, None)
+        if err != 0:
+            raise RuntimeError(f"SNACK kernel launch failed with CUDA driver error {err}")
+
+
+_libcuda = None
+
+
+def _libcuda_launch():
+    """cuLaunchKernel from libcuda through ctypes: about 1 us per call from Python."""
+    global _libcuda
+    if _libcuda is None:
+        import ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        f = lib.cuLaunchKernel
+        u = ctypes.c_uint
+        f.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_void_p]
+        f.restype = ctypes.c_int
+        _libcuda = f
+    return _libcuda
 
 
 _driver_kernels = {}
@@ -138,6 +153,10 @@ def _numba_sig(arrays, n_scalars):
     return tuple(tys)
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda idx: torch.cuda.current_stream(idx).cuda_stream)
+
+
 def launch(dispatcher, grid, block, smem, arrays, scalars, device):
     """Launches `dispatcher` (a numba.cuda.jit kernel) on torch's current stream.
 
@@ -150,9 +169,9 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
         nps = [t.numpy() for t in arrays]
         dispatcher[grid, block, 0, smem](*nps, *[np.int64(v) for v in scalars])
         return
-    stream_ptr = torch.cuda.current_stream(device).cuda_stream
+    stream_ptr = _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     if mode == "driver":
-        key = (id(dispatcher), tuple(t.dtype for t in arrays), len(scalars))
+        key = (id(dispatcher), arrays[0].dtype, arrays[-1].dtype, arrays[-2].dtype)
         k = _driver_kernels.get(key)
         if k is None:
             with _lock:

@@ -16,6 +16,7 @@ range of rows; the grid is sized to fill every SM once.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -24,7 +25,7 @@ from snack.core.coo import Topology
 from . import kernels
 from .launch import as_kernel_array, device_properties, launch, launch_mode
 
-__all__ = ["spmm", "spmm_t", "sddmm", "choose_tile"]
+__all__ = ["spmm", "spmm_t", "sddmm", "choose_tile", "wide_chunks", "WIDE_FROM"]
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _THREADS = 64 if launch_mode() == "sim" else 1024  # the simulator runs one OS thread per CUDA thread
@@ -87,12 +88,40 @@ def choose_tile(batch: int, n_cols: int, device: torch.device, bt: Optional[int]
     return bt, stride * bt * 4
 
 
-def _grid_rows(n_rows: int, ntiles: int, smem: int, device, threads: int):
+@functools.lru_cache(maxsize=4096)
+def _grid_rows(n_rows: int, nblocks_x: int, smem: int, device, threads: int):
     n_sm, _, smem_sm = device_properties(device)
     per_sm = max(1, min(2048 // threads, (smem_sm - 1024) // max(smem + 1024, 1)))
-    target = max(1, (n_sm * per_sm) // max(ntiles, 1))
+    target = max(1, (n_sm * per_sm) // max(nblocks_x, 1))
     nwarps = threads // 32
     return max(1, min(target, -(-n_rows // nwarps)))
+
+
+def wide_chunks(n_cols: int, device, chunks: Optional[int] = None):
+    """(number of column chunks, chunk width, shared-memory bytes) for the wide kernels."""
+    max_smem = device_properties(device)[1]
+    cw_max = (max_smem // (kernels.WIDE * 4)) // 8 * 8
+    nch = chunks if chunks else max(1, -(-n_cols // cw_max))
+    cw = -(-(-(-n_cols // nch)) // 8) * 8
+    return nch, cw, cw * kernels.WIDE * 4
+
+
+def _seg(topo: Topology, transposed: bool, nch: int, cw: int) -> torch.Tensor:
+    """int32 (n_rows * nch + 1,): start of each (row, column chunk) run in the op's CSR order."""
+    key = ("seg", transposed, nch, cw)
+    seg = topo.cache.get(key)
+    if seg is None:
+        if transposed:
+            r, c, n_rows = topo.cols_by_col, topo.rows_by_col, topo.shape[1]
+        else:
+            r, c, n_rows = topo.indices[0], topo.indices[1], topo.shape[0]
+        k = r.to(torch.int64) * nch + torch.div(c.to(torch.int64), cw, rounding_mode="floor")
+        counts = torch.bincount(k, minlength=n_rows * nch)
+        seg = torch.zeros(n_rows * nch + 1, dtype=torch.int64, device=topo.device)
+        torch.cumsum(counts, 0, out=seg[1:])
+        seg = seg.to(torch.int32)
+        topo.cache[key] = seg
+    return seg
 
 
 def _perm32(topo: Topology) -> torch.Tensor:
@@ -107,24 +136,56 @@ def _dummy_int(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _run_spmm(x, ptr, idx, val, perm, y, n_rows, n_cols, bt, threads):
+WIDE_FROM = 16  # batch size from which the 32-wide kernels are used
+
+
+def _use_wide(batch: int, wide: Optional[bool]) -> bool:
+    return batch >= WIDE_FROM if wide is None else bool(wide)
+
+
+def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks):
+    """Launches the SpMM on the CSR order (transposed: the CSC order) of topo into y."""
     batch = x.shape[0]
+    if transposed:
+        n_rows, n_cols = topo.shape[1], topo.shape[0]
+        ptr, idx, perm = topo.col_ptr, topo.rows_by_col, _perm32(topo)
+    else:
+        n_rows, n_cols = topo.shape
+        ptr, idx, perm = topo.row_ptr, topo.indices[1], None
+    kind = _KIND[x.dtype]
+    if _use_wide(batch, wide):
+        nch, cw, smem = wide_chunks(n_cols, x.device, chunks)
+        if smem <= device_properties(x.device)[1]:
+            atomic = nch > 1
+            target = y
+            if atomic:
+                target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=y.device)
+                target.zero_()
+            ntiles = -(-batch // kernels.WIDE)
+            gy = _grid_rows(n_rows, nch * ntiles, smem, x.device, threads)
+            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, atomic)
+            launch(kern, (nch * ntiles, gy), threads, smem,
+                   [as_kernel_array(x), _seg(topo, transposed, nch, cw), idx, as_kernel_array(values),
+                    perm if perm is not None else ptr, as_kernel_array(target)],
+                   [n_rows, n_cols, batch, nch, cw], x.device)
+            if target is not y:
+                y.copy_(target)
+            return True
     tile, smem = choose_tile(batch, n_cols, x.device, bt)
     if tile is None:
         return False
     ntiles = -(-batch // tile)
     gy = _grid_rows(n_rows, ntiles, smem, x.device, threads)
-    kern = kernels.make_spmm_kernel(tile, _KIND[x.dtype], perm is not None)
-    if perm is None:
-        perm = ptr  # unused by the kernel
+    kern = kernels.make_spmm_kernel(tile, kind, perm is not None)
     launch(kern, (ntiles, gy), threads, smem,
-           [as_kernel_array(x), ptr, idx, as_kernel_array(val), perm, as_kernel_array(y)],
-           [n_rows, n_cols, batch], x.device)
+           [as_kernel_array(x), ptr, idx, as_kernel_array(values), perm if perm is not None else ptr,
+            as_kernel_array(y)], [n_rows, n_cols, batch], x.device)
     return True
 
 
 def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
-         *, bt: Optional[int] = None, threads: int = _THREADS) -> torch.Tensor:
+         *, bt: Optional[int] = None, threads: int = _THREADS, wide: Optional[bool] = None,
+         chunks: Optional[int] = None) -> torch.Tensor:
     """Y (B, out_features) = X W^T on the GPU; see the module docstring."""
     _check_common("x", x, topo)
     n_out, n_in = topo.shape
@@ -138,14 +199,15 @@ def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[to
         return y.zero_()
     x = x.contiguous()
     values = values.contiguous()
-    if not _run_spmm(x, topo.row_ptr, topo.indices[1], values, None, y, n_out, n_in, bt, threads):
+    if not _run_spmm(x, topo, False, values, y, bt, threads, wide, chunks):
         from snack.core.reference import spmm_reference
         y.copy_(spmm_reference(x.float(), topo.indices, values.float(), n_out))
     return y
 
 
 def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
-           *, bt: Optional[int] = None, threads: int = _THREADS) -> torch.Tensor:
+           *, bt: Optional[int] = None, threads: int = _THREADS, wide: Optional[bool] = None,
+           chunks: Optional[int] = None) -> torch.Tensor:
     """dX (B, in_features) = dY W on the GPU; see the module docstring."""
     _check_common("dy", dy, topo)
     n_out, n_in = topo.shape
@@ -159,15 +221,15 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional
         return dx.zero_()
     dy = dy.contiguous()
     values = values.contiguous()
-    if not _run_spmm(dy, topo.col_ptr, topo.rows_by_col, values, _perm32(topo), dx, n_in, n_out,
-                     bt, threads):
+    if not _run_spmm(dy, topo, True, values, dx, bt, threads, wide, chunks):
         from snack.core.reference import spmm_t_reference
         dx.copy_(spmm_t_reference(dy.float(), topo.indices, values.float(), n_in))
     return dx
 
 
 def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch.Tensor] = None,
-          *, bt: Optional[int] = None, threads: int = _THREADS) -> torch.Tensor:
+          *, bt: Optional[int] = None, threads: int = _THREADS, wide: Optional[bool] = None,
+          chunks: Optional[int] = None) -> torch.Tensor:
     """dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k], on the GPU; see the module docstring."""
     _check_common("dy", dy, topo)
     _check_common("x", x, topo)
@@ -188,6 +250,17 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         return dv.zero_()
     x = x.contiguous()
     dy = dy.contiguous()
+    kind = _KIND[x.dtype]
+    if _use_wide(batch, wide):
+        nch, cw, smem = wide_chunks(n_in, x.device, chunks)
+        if smem <= device_properties(x.device)[1]:
+            ntiles = -(-batch // kernels.WIDE)
+            acc = torch.empty(topo.nnz if ntiles > 1 else 1, dtype=torch.float32, device=x.device)
+            gy = _grid_rows(n_out, nch, smem, x.device, threads)
+            launch(kernels.make_sddmm_wide_kernel(kind), (nch, gy), threads, smem,
+                   [as_kernel_array(x), as_kernel_array(dy), _seg(topo, False, nch, cw), topo.indices[1],
+                    as_kernel_array(dv), acc], [n_out, n_in, batch, nch, cw], x.device)
+            return dv
     tile, smem = choose_tile(batch, n_in, x.device, bt)
     if tile is None:
         from snack.core.reference import sddmm_reference
@@ -197,7 +270,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     # argument back separately)
     acc = torch.empty(topo.nnz if ntiles > 1 else 1, dtype=torch.float32, device=x.device)
     gy = _grid_rows(n_out, 1, smem, x.device, threads)
-    kern = kernels.make_sddmm_kernel(tile, _KIND[x.dtype])
+    kern = kernels.make_sddmm_kernel(tile, kind)
     launch(kern, (1, gy), threads, smem,
            [as_kernel_array(x), as_kernel_array(dy), topo.row_ptr, topo.indices[1],
             as_kernel_array(dv), acc], [n_out, n_in, batch], x.device)
