@@ -58,14 +58,17 @@ def supports(dtype: torch.dtype) -> bool:
 
 # ---- kernels ----------------------------------------------------------------------------------
 # Every kernel argument is a C-contiguous numpy view of a CPU tensor:
-#   split  int32 (nchunk + 1,)  first row (or column) of each parallel chunk, equal nnz per chunk
-#   ptr    int32 (n + 1,)       CSR row pointers (or CSC column pointers)
-#   idx    int32 (nnz,)         column of each entry in CSR order (or row, in CSC order)
-#   vals   float (nnz,)         values in canonical row-major order
-#   src    float (m, Bp)        X^T (or dY^T), a row per input (output) feature, its batch
-#                               columns zero-padded to the plan's width Bp >= B
-#   dst    float (B, n)         written fully: Y (or dX)
-#   plan   int64 (ntile, 4)     batch tiles: (kind, first column b0, real width nb, loop width nw)
+#   split  int32 (nchunk + 1,)  first row of each parallel chunk, chunks of about equal nnz
+#   ptr    int32 (rows + 1,)    CSR row pointers
+#   idx    int32 (nnz,)         column of each entry, CSR (canonical row-major) order
+#   vals   float (nnz,)         values, canonical order
+#   plan   int64 (ntile, 4)     batch tiles: (kind, first column b0, real width nb, padded width nw)
+#   src    float (m * Bp,)      X^T (m = in) or dY^T (m = out) in tile-major blocks: tile t is an
+#                               (m, nw) block at offset b0 * m, columns nb .. nw - 1 zero. Blocks
+#                               keep each gathered row to nw contiguous elements, so a 64-wide tile
+#                               reads whole cache lines and every cache set (a row-major (m, 128)
+#                               X^T would use half of the sets per tile)
+#   dst    float (B, n)         written fully: Y (n = out) or dX (n = in)
 # Numba's loop vectoriser (SLP is off) turns a loop of literal trip count 64 into four vector
 # FMAs with the accumulators in registers; shorter literal loops are unrolled to scalar code,
 # and a loop of run-time trip count keeps its accumulators in memory. Hence the tile kinds:
@@ -76,7 +79,7 @@ _NARROW_W = 8
 
 @njit(fastmath={"contract"}, inline="always")
 def _rows_one(r0, r1, ptr, idx, vals, src, dst):
-    """dst[0, r] = <row r, src[:, 0]>: a dot product with four partial sums."""
+    """dst[0, r] = <row r, x> for B = 1 (src = x): a dot product with four partial sums."""
     zero = src.dtype.type(0)
     for r in range(r0, r1):
         s0 = zero
@@ -86,28 +89,30 @@ def _rows_one(r0, r1, ptr, idx, vals, src, dst):
         k = ptr[r]
         k1 = ptr[r + 1]
         while k + 4 <= k1:
-            s0 += vals[k] * src[idx[k], 0]
-            s1 += vals[k + 1] * src[idx[k + 1], 0]
-            s2 += vals[k + 2] * src[idx[k + 2], 0]
-            s3 += vals[k + 3] * src[idx[k + 3], 0]
+            s0 += vals[k] * src[idx[k]]
+            s1 += vals[k + 1] * src[idx[k + 1]]
+            s2 += vals[k + 2] * src[idx[k + 2]]
+            s3 += vals[k + 3] * src[idx[k + 3]]
             k += 4
         while k < k1:
-            s0 += vals[k] * src[idx[k], 0]
+            s0 += vals[k] * src[idx[k]]
             k += 1
         dst[0, r] = (s0 + s1) + (s2 + s3)
 
 
 @njit(fastmath={"contract"}, inline="always")
-def _rows_wide(r0, r1, ptr, idx, vals, src, dst, b0, nb):
+def _rows_wide(r0, r1, ptr, idx, vals, src, m, dst, b0, nb):
     """Batch columns b0 .. b0 + 63 of rows r0 .. r1 - 1 (64 register accumulators per row)."""
     acc = np.empty(_TILE, src.dtype)
     zero = src.dtype.type(0)
+    base = b0 * m
     for r in range(r0, r1):
         for j in range(_TILE):
             acc[j] = zero
         for k in range(ptr[r], ptr[r + 1]):
             v = vals[k]
-            row = src[idx[k], b0:b0 + _TILE]
+            o = base + idx[k] * _TILE
+            row = src[o:o + _TILE]
             for j in range(_TILE):
                 acc[j] += v * row[j]
         for j in range(nb):
@@ -115,16 +120,18 @@ def _rows_wide(r0, r1, ptr, idx, vals, src, dst, b0, nb):
 
 
 @njit(fastmath={"contract"}, inline="always")
-def _rows_narrow(r0, r1, ptr, idx, vals, src, dst, b0, nb):
+def _rows_narrow(r0, r1, ptr, idx, vals, src, m, dst, b0, nb):
     """Batch columns b0 .. b0 + 7 (8 scalar register accumulators per row)."""
     acc = np.empty(_NARROW_W, src.dtype)
     zero = src.dtype.type(0)
+    base = b0 * m
     for r in range(r0, r1):
         for j in range(_NARROW_W):
             acc[j] = zero
         for k in range(ptr[r], ptr[r + 1]):
             v = vals[k]
-            row = src[idx[k], b0:b0 + _NARROW_W]
+            o = base + idx[k] * _NARROW_W
+            row = src[o:o + _NARROW_W]
             for j in range(_NARROW_W):
                 acc[j] += v * row[j]
         for j in range(nb):
@@ -132,16 +139,18 @@ def _rows_narrow(r0, r1, ptr, idx, vals, src, dst, b0, nb):
 
 
 @njit(fastmath={"contract"}, inline="always")
-def _rows_any(r0, r1, ptr, idx, vals, src, dst, b0, nb, nw):
+def _rows_any(r0, r1, ptr, idx, vals, src, m, dst, b0, nb, nw):
     """Batch columns b0 .. b0 + nw - 1, nw a multiple of 8 (accumulators in L1)."""
     acc = np.empty(nw, src.dtype)
     zero = src.dtype.type(0)
+    base = b0 * m
     for r in range(r0, r1):
         for j in range(nw):
             acc[j] = zero
         for k in range(ptr[r], ptr[r + 1]):
             v = vals[k]
-            row = src[idx[k], b0:b0 + nw]
+            o = base + idx[k] * nw
+            row = src[o:o + nw]
             for j in range(nw):
                 acc[j] += v * row[j]
         for j in range(nb):
@@ -149,7 +158,8 @@ def _rows_any(r0, r1, ptr, idx, vals, src, dst, b0, nb, nw):
 
 
 @njit(parallel=True, fastmath={"contract"}, cache=True, nogil=True)
-def _spmm_kernel(split, ptr, idx, vals, src, dst, plan):
+def _spmm_kernel(split, ptr, idx, vals, src, m, dst, plan):
+    """Y = X W^T: src = X^T tiles (m = in), dst = Y (B, out); tasks = (row chunk, batch tile)."""
     nchunk = split.shape[0] - 1
     ntile = plan.shape[0]
     for it in prange(nchunk * ntile):
@@ -163,61 +173,65 @@ def _spmm_kernel(split, ptr, idx, vals, src, dst, plan):
         if kind == _ONE:
             _rows_one(r0, r1, ptr, idx, vals, src, dst)
         elif kind == _NARROW:
-            _rows_narrow(r0, r1, ptr, idx, vals, src, dst, b0, nb)
+            _rows_narrow(r0, r1, ptr, idx, vals, src, m, dst, b0, nb)
         elif kind == _WIDE:
-            _rows_wide(r0, r1, ptr, idx, vals, src, dst, b0, nb)
+            _rows_wide(r0, r1, ptr, idx, vals, src, m, dst, b0, nb)
         else:
-            _rows_any(r0, r1, ptr, idx, vals, src, dst, b0, nb, plan[t, 3])
+            _rows_any(r0, r1, ptr, idx, vals, src, m, dst, b0, nb, plan[t, 3])
 
 
 # dX = dY W in row order, without permuting the values: dX^T[c, :] += v_k dY^T[r_k, :].
 # Parallel tasks own disjoint ranges of columns c (equal nnz per range). Within a row the columns
 # are sorted, so the part of each row that falls in a task's column range is one contiguous run
 # (found once per topology by binary search and cached); a task touches only its own non-zeros
-# and accumulates into its rows of a scratch dX^T (in, Bp), keeping the row's dY^T tile
-# in registers, then writes its columns of dX. Each dX[b, c] is summed in row order whatever the
-# thread count, and no copy of the values in column order is made.
+# and accumulates into its rows of a scratch dX^T (tile-major like src), keeping the row's dY^T
+# tile in registers, then writes its columns of dX. Each dX[b, c] is summed in row order whatever
+# the thread count, and no copy of the values in column order is made.
 @njit(fastmath={"contract"}, inline="always")
 def _scatter_one(k0, k1, idx, vals, g, part):
     for k in range(k0, k1):
-        part[idx[k], 0] += vals[k] * g
+        part[idx[k]] += vals[k] * g
 
 
 @njit(fastmath={"contract"}, inline="always")
-def _scatter_wide(k0, k1, idx, vals, g, part, b0):
+def _scatter_wide(k0, k1, idx, vals, g, part, base):
     for k in range(k0, k1):
         v = vals[k]
-        tgt = part[idx[k], b0:b0 + _TILE]
+        o = base + idx[k] * _TILE
+        tgt = part[o:o + _TILE]
         for j in range(_TILE):
             tgt[j] += v * g[j]
 
 
 @njit(fastmath={"contract"}, inline="always")
-def _scatter_narrow(k0, k1, idx, vals, g, part, b0):
+def _scatter_narrow(k0, k1, idx, vals, g, part, base):
     for k in range(k0, k1):
         v = vals[k]
-        tgt = part[idx[k], b0:b0 + _NARROW_W]
+        o = base + idx[k] * _NARROW_W
+        tgt = part[o:o + _NARROW_W]
         for j in range(_NARROW_W):
             tgt[j] += v * g[j]
 
 
 @njit(fastmath={"contract"}, inline="always")
-def _scatter_any(k0, k1, idx, vals, g, part, b0, nw):
+def _scatter_any(k0, k1, idx, vals, g, part, base, nw):
     for k in range(k0, k1):
         v = vals[k]
-        tgt = part[idx[k], b0:b0 + nw]
+        o = base + idx[k] * nw
+        tgt = part[o:o + nw]
         for j in range(nw):
             tgt[j] += v * g[j]
 
 
 @njit(parallel=True, fastmath={"contract"}, cache=True, nogil=True)
 def _spmm_t_kernel(csplit, bounds, idx, vals, src, part, dst, plan):
-    """csplit int32 (nchunk + 1,): column boundaries; bounds int32 (nchunk + 1, out): bounds[ch, r]
-    is the first CSR position of row r whose column is >= csplit[ch]; idx: columns in CSR order;
-    src dY^T (out, Bp); part: scratch dX^T (in, Bp); dst: dX (B, in)."""
+    """dX = dY W. csplit int32 (nchunk + 1,): column ranges; bounds int32 (nchunk + 1, out):
+    bounds[ch, r] is the first CSR position of row r whose column is >= csplit[ch]; src = dY^T
+    tiles (m = out); part: scratch dX^T tiles (m = in), same layout; dst = dX (B, in)."""
     nchunk = csplit.shape[0] - 1
     ntile = plan.shape[0]
-    nrows = bounds.shape[1]
+    n_out = bounds.shape[1]
+    n_in = dst.shape[1]
     zero = src.dtype.type(0)
     for it in prange(nchunk * ntile):
         t = it // nchunk
@@ -230,27 +244,31 @@ def _spmm_t_kernel(csplit, bounds, idx, vals, src, part, dst, plan):
         b0 = plan[t, 1]
         nb = plan[t, 2]
         nw = plan[t, 3]
-        for c in range(c0, c1):
-            for j in range(b0, b0 + nw):
-                part[c, j] = zero
+        sbase = b0 * n_out
+        pbase = b0 * n_in
+        for i in range(pbase + c0 * nw, pbase + c1 * nw):
+            part[i] = zero
         lo = bounds[ch]
         hi = bounds[ch + 1]
-        for r in range(nrows):
+        for r in range(n_out):
             k0 = lo[r]
             k1 = hi[r]
             if k0 == k1:
                 continue
             if kind == _ONE:
-                _scatter_one(k0, k1, idx, vals, src[r, 0], part)
+                _scatter_one(k0, k1, idx, vals, src[r], part)
             elif kind == _NARROW:
-                _scatter_narrow(k0, k1, idx, vals, src[r, b0:b0 + _NARROW_W], part, b0)
+                o = sbase + r * _NARROW_W
+                _scatter_narrow(k0, k1, idx, vals, src[o:o + _NARROW_W], part, pbase)
             elif kind == _WIDE:
-                _scatter_wide(k0, k1, idx, vals, src[r, b0:b0 + _TILE], part, b0)
+                o = sbase + r * _TILE
+                _scatter_wide(k0, k1, idx, vals, src[o:o + _TILE], part, pbase)
             else:
-                _scatter_any(k0, k1, idx, vals, src[r, b0:b0 + nw], part, b0, nw)
-        for j in range(b0, b0 + nb):
+                o = sbase + r * nw
+                _scatter_any(k0, k1, idx, vals, src[o:o + nw], part, pbase, nw)
+        for j in range(nb):
             for c in range(c0, c1):
-                dst[j, c] = part[c, j]
+                dst[b0 + j, c] = part[pbase + c * nw + j]
 
 
 # reassoc lets LLVM vectorise the dot products over the batch (a fixed summation tree per build:
@@ -441,6 +459,22 @@ def _transposed(t: torch.Tensor, dtype: torch.dtype, width: int) -> np.ndarray:
     return buf.numpy()
 
 
+def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int) -> np.ndarray:
+    """t (B, m) -> flat tile-major t^T of `dtype` (see the kernels' `src`), one copy (none for a
+    plain contiguous B = 1 tensor of `dtype`)."""
+    t = t.detach()
+    B, m = t.shape
+    if width == 1 and t.dtype == dtype and t.is_contiguous() and not t.is_neg():
+        return t.reshape(m).numpy()
+    flat = torch.empty(m * width, dtype=dtype)
+    for _, b0, nb, nw in plan.tolist():
+        blk = flat[b0 * m:(b0 + nw) * m].view(m, nw)
+        blk[:, :nb].copy_(t[b0:b0 + nb].t())
+        if nw > nb:
+            blk[:, nb:].zero_()
+    return flat.numpy()
+
+
 def _vector(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     t = t.detach()
     if t.dtype != dtype or not t.is_contiguous() or t.is_neg():
@@ -489,8 +523,8 @@ def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor,
     split, ptr, idx = _csr(topo, _threads() * _CHUNKS_PER_THREAD)
     plan, width = _plan(shape[0])
     with torch.no_grad():
-        _spmm_kernel(split, ptr, idx, _vector(values, cdtype), _transposed(x, cdtype, width),
-                     buf.detach().numpy(), plan)
+        _spmm_kernel(split, ptr, idx, _vector(values, cdtype), _tiles(x, cdtype, plan, width),
+                     x.shape[1], buf.detach().numpy(), plan)
     return _finish(res, buf)
 
 
@@ -522,9 +556,9 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,
     csplit, bounds = _col_bounds(topo, nchunk)
     plan, width = _plan(shape[0])
     with torch.no_grad():
-        src = _transposed(dy, cdtype, width)
+        src = _tiles(dy, cdtype, plan, width)
         vals = _vector(values, cdtype)
-        part = np.empty((shape[1], width), dtype=src.dtype)
+        part = np.empty(shape[1] * width, dtype=src.dtype)
         _spmm_t_kernel(csplit, bounds, idx, vals, src, part, buf.detach().numpy(), plan)
     return _finish(res, buf)
 

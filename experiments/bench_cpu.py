@@ -3,14 +3,14 @@
     python experiments/bench_cpu.py                     # 4096 x 4096, 90% sparse, B in 1, 32, 128
     python experiments/bench_cpu.py --batches=1,8 --sparsity=0.95 --repeats=31
 
-For each batch size B it times, float32, side by side and interleaved round by round (so that
-a noisy neighbour hurts both sides alike):
+For each batch size B it times, float32, side by side in alternating rounds (so that a noisy
+neighbour hurts both sides alike):
     forward   snack.core.cpu.spmm(x, W)      vs dense torch.mm(x, W_dense.t())
     dX        snack.core.cpu.spmm_t(dy, W)   vs dense torch.mm(dy, W_dense)
     SDDMM     snack.core.cpu.sddmm(dy, x, W) vs dense torch.mm(dy.t(), x) (the dense weight gradient)
 plus torch's own CSR matmul (`torch.mm(W_csr, x.t())`, MKL) as a second sparse baseline for the
-two SpMMs. Every timing is a median over `--repeats` rounds after `--warmup` rounds; the ratio
-is dense / snack (> 1: snack is faster). Prints a table and writes results/bench_cpu.csv with
+two SpMMs. Every timing is the median over `--rounds` x `--repeats` calls; the ratio is
+dense / snack (> 1: snack is faster). Prints a table and writes results/bench_cpu.csv with
 the machine, versions and git commit. Takes about a minute on 2 cores.
 Trade-off: wall-clock time of one call as a user makes it, including the X^T copy and the
 Python overhead, not an isolated kernel time.
@@ -43,8 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--out_features", type=int, default=4096)
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--batches", type=str, default="1,32,128")
-    p.add_argument("--repeats", type=int, default=21)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per round")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=str, default=str(ROOT / "results" / "bench_cpu.csv"))
@@ -78,15 +79,25 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_pair(fns: dict, repeats: int, warmup: int) -> dict:
-    """Runs every fn once per round, interleaved, and returns {name: [seconds per round]}."""
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
+def bench_blocks(fns: dict, rounds: int, repeats: int, warmup: int) -> dict:
+    """{name: [seconds per call]}: `rounds` rounds; in each, every fn in turn (order alternating
+    between rounds) runs `warmup` untimed calls and then `repeats` timed calls back to back.
+
+    A pause precedes each block: OpenMP worker threads (torch's and Numba's are two separate
+    runtimes) busy-wait for a few milliseconds after a parallel region, and on a 2-core machine
+    the spinning threads of one would slow the other's next call. Calls of one op back to back
+    are what a user's loop sees; alternating single calls of two runtimes measures their fight.
+    """
     times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            times[k].append(timed(f))
+    names = list(fns)
+    for rnd in range(rounds):
+        for k in (names if rnd % 2 == 0 else names[::-1]):
+            f = fns[k]
+            time.sleep(0.05)
+            for _ in range(warmup):
+                f()
+            for _ in range(repeats):
+                times[k].append(timed(f))
     return times
 
 
@@ -128,11 +139,11 @@ def main(argv=None) -> list:
                       "dense": lambda: torch.mm(dy.t(), x)},
         }
         for op, fns in ops.items():
-            t = bench_pair(fns, args.repeats, args.warmup)
+            t = bench_blocks(fns, args.rounds, args.repeats, args.warmup)
             med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
             mins = {k: min(v) * 1e3 for k, v in t.items()}
             rows.append(dict(op=op, B=B, in_features=n_in, out_features=n_out, sparsity=args.sparsity,
-                             nnz=w.nnz, dtype="float32", repeats=args.repeats,
+                             nnz=w.nnz, dtype="float32", calls=args.rounds * args.repeats,
                              snack_ms=round(med["snack"], 4), snack_min_ms=round(mins["snack"], 4),
                              dense_ms=round(med["dense"], 4), dense_min_ms=round(mins["dense"], 4),
                              torch_csr_ms=round(med["torch_csr"], 4) if "torch_csr" in med else "",
@@ -142,7 +153,8 @@ def main(argv=None) -> list:
                              **meta))
     print(f"{meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, numba {meta['numba']}, "
           f"commit {meta['commit']}, load {meta['loadavg_1min']}")
-    print(f"W {n_out} x {n_in}, sparsity {args.sparsity}, nnz {w.nnz}, float32, median of {args.repeats}")
+    print(f"W {n_out} x {n_in}, sparsity {args.sparsity}, nnz {w.nnz}, float32, "
+          f"median of {args.rounds} x {args.repeats} calls")
     print(f"{'op':8s} {'B':>4s} {'snack ms':>9s} {'dense ms':>9s} {'csr ms':>8s} {'dense/snack':>12s} {'csr/snack':>10s}")
     for r in rows:
         csr_ms = f"{r['torch_csr_ms']:8.2f}" if r["torch_csr_ms"] != "" else f"{'-':>8s}"
