@@ -89,23 +89,31 @@ def _row_count(n_cols):
 def _make_stage(BT, ld):
     @cuda.jit(device=True, inline=True)
     def stage(xs, x, b0, batch, n_cols, stride, tid, nthreads):
-        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy, 4 loads in flight."""
+        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy, 8 loads in flight."""
         for j in range(BT):
             b = b0 + j
             srow = j * stride
             if b < batch:
                 grow = b * n_cols
                 c = tid
-                while c + 3 * nthreads < n_cols:
+                while c + 7 * nthreads < n_cols:
                     a0 = ld(x, grow + c)
                     a1 = ld(x, grow + c + nthreads)
                     a2 = ld(x, grow + c + 2 * nthreads)
                     a3 = ld(x, grow + c + 3 * nthreads)
+                    a4 = ld(x, grow + c + 4 * nthreads)
+                    a5 = ld(x, grow + c + 5 * nthreads)
+                    a6 = ld(x, grow + c + 6 * nthreads)
+                    a7 = ld(x, grow + c + 7 * nthreads)
                     xs[srow + c] = a0
                     xs[srow + c + nthreads] = a1
                     xs[srow + c + 2 * nthreads] = a2
                     xs[srow + c + 3 * nthreads] = a3
-                    c += 4 * nthreads
+                    xs[srow + c + 4 * nthreads] = a4
+                    xs[srow + c + 5 * nthreads] = a5
+                    xs[srow + c + 6 * nthreads] = a6
+                    xs[srow + c + 7 * nthreads] = a7
+                    c += 8 * nthreads
                 while c < n_cols:
                     xs[srow + c] = ld(x, grow + c)
                     c += nthreads
@@ -302,11 +310,12 @@ WIDE = 32
 
 def _make_stage_wide(ld):
     @cuda.jit(device=True, inline=True)
-    def stage(xs, x, b0, c0, width, batch, n_cols, tid, nthreads):
+    def stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads):
         """xs[cl * 32 + (j ^ (cl & 7))] = X[b0 + j, c0 + cl] for cl < width (0 past the batch).
 
         A warp instruction covers 8 consecutive columns x 4 batch rows (4 full 32-byte sectors
-        read, 32 distinct banks written); items are unrolled by 2 so loads overlap.
+        read, 32 distinct banks written); 8 items are loaded (into `buf`, a local array of 8)
+        before they are stored, so enough loads are in flight.
         """
         lane = tid & 31
         warp = tid >> 5
@@ -316,24 +325,21 @@ def _make_stage_wide(ld):
         n_items = ((width + 7) >> 3) * 8
         item = warp
         while item < n_items:
-            cl = (item >> 3) * 8 + cli
-            j = jb * 8 + (item & 7)
-            b = b0 + j
-            v = float32(0.0)
-            if cl < width and b < batch:
-                v = ld(x, b * n_cols + c0 + cl)
-            item2 = item + nwarps
-            cl2 = (item2 >> 3) * 8 + cli
-            j2 = jb * 8 + (item2 & 7)
-            b2 = b0 + j2
-            v2 = float32(0.0)
-            if item2 < n_items and cl2 < width and b2 < batch:
-                v2 = ld(x, b2 * n_cols + c0 + cl2)
-            if cl < width:
-                xs[cl * 32 + (j ^ (cl & 7))] = v
-            if item2 < n_items and cl2 < width:
-                xs[cl2 * 32 + (j2 ^ (cl2 & 7))] = v2
-            item += 2 * nwarps
+            for u in range(8):
+                it = item + u * nwarps
+                cl = (it >> 3) * 8 + cli
+                j = jb * 8 + (it & 7)
+                v = float32(0.0)
+                if it < n_items and cl < width and b0 + j < batch:
+                    v = ld(x, (b0 + j) * n_cols + c0 + cl)
+                buf[u] = v
+            for u in range(8):
+                it = item + u * nwarps
+                cl = (it >> 3) * 8 + cli
+                j = jb * 8 + (it & 7)
+                if it < n_items and cl < width:
+                    xs[cl * 32 + (j ^ (cl & 7))] = buf[u]
+            item += 8 * nwarps
     return stage
 
 
@@ -341,11 +347,14 @@ def _make_stage_wide(ld):
 def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
     """Y = X W^T for 32-column batch tiles and column chunks (see the comment above).
 
-    Signature: (x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw).
+    Signature: (x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw, rows_per_block).
     x (B, n_cols); seg int32 (n_rows * nch + 1,); idx int32 (nnz,) global column of each entry;
     val (nnz,), read through perm when has_perm; y (B, n_rows): with `atomic` an fp32 buffer
     that must be zero (partial sums are added), else written once per element.
-    Launch: grid (nch * n_batch_tiles, n_row_blocks), dynamic shared memory cw * 32 * 4 bytes.
+    Launch: grid (nch * n_batch_tiles, ceil(n_rows / rows_per_block)), dynamic shared memory
+    (cw * 32 + rows_per_block * 33) * 4 bytes. Each block owns rows_per_block consecutive rows,
+    keeps their outputs in shared memory and writes them at the end, consecutive threads on
+    consecutive rows (coalesced; with `atomic`, one coalesced atomic add per element).
     """
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
@@ -365,15 +374,23 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
                 v = ld(val, k)
         return c, v
 
-    def spmm_wide(x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw):
+    def spmm_wide(x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw, rows_per_block):
         xs = cuda.shared.array(0, dtype=float32)
+        buf = cuda.local.array(8, dtype=float32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         ch = cuda.blockIdx.x % nch
         b0 = (cuda.blockIdx.x // nch) * WIDE
         c0 = ch * cw
         width = min(cw, n_cols - c0)
-        stage(xs, x, b0, c0, width, batch, n_cols, tid, nthreads)
+        r0 = cuda.blockIdx.y * rows_per_block
+        r1 = min(r0 + rows_per_block, n_rows)
+        ybase = cw * 32  # the block's output tile ybuf[(r - r0) * 33 + col] follows xs
+        e = tid
+        while e < rows_per_block * 33:
+            xs[ybase + e] = float32(0.0)
+            e += nthreads
+        stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
         cuda.syncthreads()
 
         lane = tid & 31
@@ -384,13 +401,12 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
         w2 = ((g + 2) & 3) * 8
         w3 = ((g + 3) & 3) * 8
         nwarps = nthreads >> 5
-        r = cuda.blockIdx.y * nwarps + (tid >> 5)
-        rstride = cuda.gridDim.y * nwarps
-        while r < n_rows:
+        r = r0 + (tid >> 5)
+        while r < r1:
             s0 = seg[r * nch + ch]
             s1 = seg[r * nch + ch + 1]
-            if ATOMIC and s0 == s1:
-                r += rstride
+            if s0 == s1:
+                r += nwarps
                 continue
             a0 = float32(0.0)
             a1 = float32(0.0)
@@ -423,24 +439,34 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
             mine = float32(0.0)
             for w in range(4):
                 q = (w - g) & 3
-                s = a3
+                sw = a3
                 if q == 0:
-                    s = a0
+                    sw = a0
                 elif q == 1:
-                    s = a1
+                    sw = a1
                 elif q == 2:
-                    s = a2
-                s += cuda.shfl_xor_sync(FULL_MASK, s, 8)
-                s += cuda.shfl_xor_sync(FULL_MASK, s, 16)
+                    sw = a2
+                sw += cuda.shfl_xor_sync(FULL_MASK, sw, 8)
+                sw += cuda.shfl_xor_sync(FULL_MASK, sw, 16)
                 if w == g:
-                    mine = s
-            b = b0 + g * 8 + jj
+                    mine = sw
+            xs[ybase + (r - r0) * 33 + g * 8 + jj] = mine
+            r += nwarps
+        cuda.syncthreads()
+        # flush the output tile: consecutive threads take consecutive rows (coalesced)
+        nr = r1 - r0
+        e = tid
+        while e < nr * WIDE:
+            col = e // nr
+            rr = e - col * nr
+            b = b0 + col
             if b < batch:
+                v = xs[ybase + rr * 33 + col]
                 if ATOMIC:
-                    cuda.atomic.add(y, b * n_rows + r, mine)
+                    cuda.atomic.add(y, b * n_rows + r0 + rr, v)
                 else:
-                    y[b * n_rows + r] = cv(mine)
-            r += rstride
+                    y[b * n_rows + r0 + rr] = cv(v)
+            e += nthreads
 
     spmm_wide.__name__ = f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}{'_atomic' if atomic else ''}"
     return cuda.jit(spmm_wide)
@@ -464,6 +490,7 @@ def make_sddmm_wide_kernel(kind: int):
     def sddmm_wide(x, dy, seg, idx, dv, dvacc, n_rows, n_cols, batch, nch, cw):
         xs = cuda.shared.array(0, dtype=float32)
         p = cuda.local.array(8, dtype=float32)
+        buf = cuda.local.array(8, dtype=float32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         ch = cuda.blockIdx.x
@@ -482,7 +509,7 @@ def make_sddmm_wide_kernel(kind: int):
             b0 = tile * WIDE
             if tile > 0:
                 cuda.syncthreads()
-            stage(xs, x, b0, c0, width, batch, n_cols, tid, nthreads)
+            stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
             cuda.syncthreads()
             first = tile == 0
             last = tile == ntiles - 1

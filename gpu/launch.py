@@ -47,10 +47,12 @@ def launch_mode() -> str:
 
 
 def as_kernel_array(t: torch.Tensor) -> torch.Tensor:
-    """The 1-D view of `t` that kernels take: bfloat16 as int16 bits, everything flattened."""
-    t = t.reshape(-1)
+    """`t` as kernels take it (a contiguous tensor, read as 1-D): bfloat16 as int16 bits.
+    Under the simulator the tensor is also flattened (numpy needs the 1-D shape)."""
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
+    if _SIM:
+        t = t.reshape(-1)
     return t
 
 
@@ -88,6 +90,7 @@ class _DriverKernel:
         base = self.slots.ctypes.data
         self.ptrs = np.array([base + 8 * i for i in range(n)], dtype=np.uint64)
         self.params = int(self.ptrs.ctypes.data)
+        self.last = [None] * (n_arrays + n_scalars)
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         dev = torch.cuda.current_device()
         if isinstance(self.handle, driver.CUkernel):
@@ -96,24 +99,38 @@ class _DriverKernel:
             err, = driver.cuFuncSetAttribute(self.handle, attr, max_smem)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cannot set the shared-memory limit of a SNACK kernel: {err}")
+        mt = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+        if isinstance(self.handle, driver.CUkernel):
+            err, self.max_threads = driver.cuKernelGetAttribute(mt, self.handle, dev)
+        else:
+            err, self.max_threads = driver.cuFuncGetAttribute(mt, self.handle)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            self.max_threads = 256
         self.fn = int(self.handle)
         self._launch = _libcuda_launch()
 
     def __call__(self, grid, block, smem, arrays, scalars, stream_ptr):
         s = self.slots
+        last = self.last
         i = 0
-        for t in arrays:
-            n = t.numel()
-            isz = t.element_size()
-            s[i + 2] = n
-            s[i + 3] = isz
-            s[i + 4] = t.data_ptr()
-            s[i + 5] = n
-            s[i + 6] = isz
+        for a, t in enumerate(arrays):
+            key = (t.data_ptr(), t.numel(), t.element_size())
+            if last[a] != key:  # rewrite only what changed since the previous launch
+                ptr, n, isz = key
+                s[i + 2] = n
+                s[i + 3] = isz
+                s[i + 4] = ptr
+                s[i + 5] = n
+                s[i + 6] = isz
+                last[a] = key
             i += 7
-        for v in scalars:
-            s[i] = v
+        for a, v in enumerate(scalars):
+            if last[self.n_arrays + a] != v:
+                s[i] = v
+                last[self.n_arrays + a] = v
             i += 1
+        if block > self.max_threads:  # register-heavy variants: fewer threads, same result
+            block = self.max_threads
         err = self._launch(self.fn, grid[0], grid[1], 1, block, 1, 1, smem, stream_ptr,
                            self.params, None)
         if err != 0:

@@ -28,7 +28,7 @@ from .launch import as_kernel_array, device_properties, launch, launch_mode
 __all__ = ["spmm", "spmm_t", "sddmm", "choose_tile", "wide_chunks", "WIDE_FROM"]
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_THREADS = 64 if launch_mode() == "sim" else 1024  # the simulator runs one OS thread per CUDA thread
+_THREADS = 32 if launch_mode() == "sim" else 1024  # the simulator runs one OS thread per CUDA thread
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device):
@@ -98,8 +98,9 @@ def _grid_rows(n_rows: int, nblocks_x: int, smem: int, device, threads: int):
 
 
 def wide_chunks(n_cols: int, device, chunks: Optional[int] = None):
-    """(number of column chunks, chunk width, shared-memory bytes) for the wide kernels."""
-    max_smem = device_properties(device)[1]
+    """(number of column chunks, chunk width, shared-memory bytes of the X chunk) for the wide
+    kernels; 16 KB of the block's shared memory is left for the output tile."""
+    max_smem = device_properties(device)[1] - 16 * 1024
     cw_max = (max_smem // (kernels.WIDE * 4)) // 8 * 8
     nch = chunks if chunks else max(1, -(-n_cols // cw_max))
     cw = -(-(-(-n_cols // nch)) // 8) * 8
@@ -162,12 +163,18 @@ def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks):
                 target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=y.device)
                 target.zero_()
             ntiles = -(-batch // kernels.WIDE)
+            max_smem = device_properties(x.device)[1]
             gy = _grid_rows(n_rows, nch * ntiles, smem, x.device, threads)
+            rpb = -(-n_rows // gy)
+            while smem + rpb * 33 * 4 > max_smem:
+                gy += 1
+                rpb = -(-n_rows // gy)
+            gy = -(-n_rows // rpb)
             kern = kernels.make_spmm_wide_kernel(kind, perm is not None, atomic)
-            launch(kern, (nch * ntiles, gy), threads, smem,
+            launch(kern, (nch * ntiles, gy), threads, smem + rpb * 33 * 4,
                    [as_kernel_array(x), _seg(topo, transposed, nch, cw), idx, as_kernel_array(values),
                     perm if perm is not None else ptr, as_kernel_array(target)],
-                   [n_rows, n_cols, batch, nch, cw], x.device)
+                   [n_rows, n_cols, batch, nch, cw, rpb], x.device)
             if target is not y:
                 y.copy_(target)
             return True

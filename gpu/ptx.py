@@ -1,0 +1,75 @@
+"""Compiles every SNACK kernel variant to PTX for a given compute capability, without a GPU.
+
+`compile_all(cc=(9, 0))` returns {kernel name: PTX text} for every variant the launchers can
+pick (batch tiles x dtypes x permuted/atomic flags), so that a machine without a GPU (CI)
+catches typing errors that Numba's simulator lets through. Needs numba-cuda's NVVM
+(`pip install numba-cuda[cu13]`) and must run with the simulator off.
+Usage: python -m snack.gpu.ptx [--cc 9.0]  (prints one line per kernel with its PTX size and
+whether it uses local memory).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Dict, Tuple
+
+from . import kernels
+
+_ELEM = {0: "float32", 1: "float16", 2: "int16"}
+
+
+def _sig(arrays, n_scalars):
+    from numba import types
+    tys = [types.Array(getattr(types, a), 1, "C") for a in arrays]
+    return tuple(tys + [types.int64] * n_scalars)
+
+
+def variants():
+    """(name, dispatcher, numba signature) for every kernel variant."""
+    out = []
+    for kind, el in _ELEM.items():
+        for bt in (1, 2, 4, 8):
+            for perm in (False, True):
+                d = kernels.make_spmm_kernel(bt, kind, perm)
+                out.append((d.py_func.__name__, d,
+                            _sig([el, "int32", "int32", el, "int32", el], 3)))
+            d = kernels.make_sddmm_kernel(bt, kind)
+            out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32"], 3)))
+        for perm in (False, True):
+            for atomic in (False, True):
+                d = kernels.make_spmm_wide_kernel(kind, perm, atomic)
+                yel = "float32" if atomic else el
+                out.append((d.py_func.__name__, d,
+                            _sig([el, "int32", "int32", el, "int32", yel], 6)))
+        d = kernels.make_sddmm_wide_kernel(kind)
+        out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32"], 5)))
+    return out
+
+
+def compile_all(cc: Tuple[int, int] = (9, 0)) -> Dict[str, str]:
+    """{kernel name: PTX} for every variant, compiled for compute capability `cc`."""
+    from numba import cuda
+    res = {}
+    for name, d, sig in variants():
+        ptx, _ = cuda.compile_ptx(d.py_func, sig, cc=cc)
+        res[name] = ptx
+    return res
+
+
+def uses_local_memory(ptx: str) -> bool:
+    """True when the PTX declares local (per-thread, off-chip) memory: an array that did not
+    become registers."""
+    return re.search(r"\.local\s", ptx) is not None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--cc", default="9.0")
+    args = ap.parse_args(argv)
+    cc = tuple(int(v) for v in args.cc.split("."))
+    for name, ptx in compile_all(cc).items():
+        print(f"{name:45s} {len(ptx):8d} chars  local memory: {'yes' if uses_local_memory(ptx) else 'no'}")
+
+
+if __name__ == "__main__":
+    main()
