@@ -49,6 +49,11 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NATIVE = (torch.float32, torch.float64)
 _TILE = 64  # batch columns per register tile; a literal so that LLVM keeps the tile in registers
 _CHUNKS_PER_THREAD = 4
+# Below this many multiply-adds (~1 ms on one core) a call runs on the calling thread alone: a
+# parallel region costs tens of microseconds on an idle machine, and on a busy one (other
+# processes, or torch's own OpenMP workers still spinning after a torch op) its fork-join can
+# wait a scheduler tick or two (4-8 ms) for a descheduled worker.
+_PARALLEL_MIN_WORK = 1 << 22
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -157,27 +162,37 @@ def _rows_any(r0, r1, ptr, idx, vals, src, m, dst, b0, nb, nw):
             dst[b0 + j, r] = acc[j]
 
 
-@njit(parallel=True, fastmath={"contract"}, cache=True, nogil=True)
-def _spmm_kernel(split, ptr, idx, vals, src, m, dst, plan):
-    """Y = X W^T: src = X^T tiles (m = in), dst = Y (B, out); tasks = (row chunk, batch tile)."""
+@njit(fastmath={"contract"}, inline="always")
+def _spmm_task(it, split, ptr, idx, vals, src, m, dst, plan):
     nchunk = split.shape[0] - 1
-    ntile = plan.shape[0]
-    for it in prange(nchunk * ntile):
-        t = it // nchunk
-        ch = it - t * nchunk
-        r0 = split[ch]
-        r1 = split[ch + 1]
-        kind = plan[t, 0]
-        b0 = plan[t, 1]
-        nb = plan[t, 2]
-        if kind == _ONE:
-            _rows_one(r0, r1, ptr, idx, vals, src, dst)
-        elif kind == _NARROW:
-            _rows_narrow(r0, r1, ptr, idx, vals, src, m, dst, b0, nb)
-        elif kind == _WIDE:
-            _rows_wide(r0, r1, ptr, idx, vals, src, m, dst, b0, nb)
-        else:
-            _rows_any(r0, r1, ptr, idx, vals, src, m, dst, b0, nb, plan[t, 3])
+    t = it // nchunk
+    ch = it - t * nchunk
+    r0 = split[ch]
+    r1 = split[ch + 1]
+    kind = plan[t, 0]
+    b0 = plan[t, 1]
+    nb = plan[t, 2]
+    if kind == _ONE:
+        _rows_one(r0, r1, ptr, idx, vals, src, dst)
+    elif kind == _NARROW:
+        _rows_narrow(r0, r1, ptr, idx, vals, src, m, dst, b0, nb)
+    elif kind == _WIDE:
+        _rows_wide(r0, r1, ptr, idx, vals, src, m, dst, b0, nb)
+    else:
+        _rows_any(r0, r1, ptr, idx, vals, src, m, dst, b0, nb, plan[t, 3])
+
+
+@njit(parallel=True, fastmath={"contract"}, cache=True, nogil=True)
+def _spmm_kernel(split, ptr, idx, vals, src, m, dst, plan, parallel):
+    """Y = X W^T: src = X^T tiles (m = in), dst = Y (B, out); tasks = (row chunk, batch tile),
+    run in parallel or, for small work, on the calling thread alone."""
+    ntask = (split.shape[0] - 1) * plan.shape[0]
+    if parallel:
+        for it in prange(ntask):
+            _spmm_task(it, split, ptr, idx, vals, src, m, dst, plan)
+    else:
+        for it in range(ntask):
+            _spmm_task(it, split, ptr, idx, vals, src, m, dst, plan)
 
 
 # dX = dY W in row order, without permuting the values: dX^T[c, :] += v_k dY^T[r_k, :].
@@ -223,88 +238,104 @@ def _scatter_any(k0, k1, idx, vals, g, part, base, nw):
             tgt[j] += v * g[j]
 
 
+@njit(fastmath={"contract"}, inline="always")
+def _spmm_t_task(it, csplit, bounds, idx, vals, src, part, dst, plan):
+    nchunk = csplit.shape[0] - 1
+    n_out = bounds.shape[1]
+    n_in = dst.shape[1]
+    t = it // nchunk
+    ch = it - t * nchunk
+    c0 = csplit[ch]
+    c1 = csplit[ch + 1]
+    if c0 == c1:
+        return
+    kind = plan[t, 0]
+    b0 = plan[t, 1]
+    nb = plan[t, 2]
+    nw = plan[t, 3]
+    sbase = b0 * n_out
+    pbase = b0 * n_in
+    zero = src.dtype.type(0)
+    for i in range(pbase + c0 * nw, pbase + c1 * nw):
+        part[i] = zero
+    lo = bounds[ch]
+    hi = bounds[ch + 1]
+    for r in range(n_out):
+        k0 = lo[r]
+        k1 = hi[r]
+        if k0 == k1:
+            continue
+        if kind == _ONE:
+            _scatter_one(k0, k1, idx, vals, src[r], part)
+        elif kind == _NARROW:
+            o = sbase + r * _NARROW_W
+            _scatter_narrow(k0, k1, idx, vals, src[o:o + _NARROW_W], part, pbase)
+        elif kind == _WIDE:
+            o = sbase + r * _TILE
+            _scatter_wide(k0, k1, idx, vals, src[o:o + _TILE], part, pbase)
+        else:
+            o = sbase + r * nw
+            _scatter_any(k0, k1, idx, vals, src[o:o + nw], part, pbase, nw)
+    for j in range(nb):
+        for c in range(c0, c1):
+            dst[b0 + j, c] = part[pbase + c * nw + j]
+
+
 @njit(parallel=True, fastmath={"contract"}, cache=True, nogil=True)
-def _spmm_t_kernel(csplit, bounds, idx, vals, src, part, dst, plan):
+def _spmm_t_kernel(csplit, bounds, idx, vals, src, part, dst, plan, parallel):
     """dX = dY W. csplit int32 (nchunk + 1,): column ranges; bounds int32 (nchunk + 1, out):
     bounds[ch, r] is the first CSR position of row r whose column is >= csplit[ch]; src = dY^T
     tiles (m = out); part: scratch dX^T tiles (m = in), same layout; dst = dX (B, in)."""
-    nchunk = csplit.shape[0] - 1
-    ntile = plan.shape[0]
-    n_out = bounds.shape[1]
-    n_in = dst.shape[1]
-    zero = src.dtype.type(0)
-    for it in prange(nchunk * ntile):
-        t = it // nchunk
-        ch = it - t * nchunk
-        c0 = csplit[ch]
-        c1 = csplit[ch + 1]
-        if c0 == c1:
-            continue
-        kind = plan[t, 0]
-        b0 = plan[t, 1]
-        nb = plan[t, 2]
-        nw = plan[t, 3]
-        sbase = b0 * n_out
-        pbase = b0 * n_in
-        for i in range(pbase + c0 * nw, pbase + c1 * nw):
-            part[i] = zero
-        lo = bounds[ch]
-        hi = bounds[ch + 1]
-        for r in range(n_out):
-            k0 = lo[r]
-            k1 = hi[r]
-            if k0 == k1:
-                continue
-            if kind == _ONE:
-                _scatter_one(k0, k1, idx, vals, src[r], part)
-            elif kind == _NARROW:
-                o = sbase + r * _NARROW_W
-                _scatter_narrow(k0, k1, idx, vals, src[o:o + _NARROW_W], part, pbase)
-            elif kind == _WIDE:
-                o = sbase + r * _TILE
-                _scatter_wide(k0, k1, idx, vals, src[o:o + _TILE], part, pbase)
-            else:
-                o = sbase + r * nw
-                _scatter_any(k0, k1, idx, vals, src[o:o + nw], part, pbase, nw)
-        for j in range(nb):
-            for c in range(c0, c1):
-                dst[b0 + j, c] = part[pbase + c * nw + j]
+    ntask = (csplit.shape[0] - 1) * plan.shape[0]
+    if parallel:
+        for it in prange(ntask):
+            _spmm_t_task(it, csplit, bounds, idx, vals, src, part, dst, plan)
+    else:
+        for it in range(ntask):
+            _spmm_t_task(it, csplit, bounds, idx, vals, src, part, dst, plan)
 
 
 # reassoc lets LLVM vectorise the dot products over the batch (a fixed summation tree per build:
 # results still do not depend on the thread count).
-@njit(parallel=True, fastmath={"contract", "reassoc"}, cache=True, nogil=True)
-def _sddmm_kernel(split, ptr, idx, dyt, xt, dv):
-    """dv[k] = <dyt[r_k, :], xt[c_k, :]>; dyt (out, Bp), xt (in, Bp), zero-padded alike."""
+@njit(fastmath={"contract", "reassoc"}, inline="always")
+def _sddmm_rows(r0, r1, ptr, idx, dyt, xt, dv):
     width = xt.shape[1]
-    nchunk = split.shape[0] - 1
     zero = xt.dtype.type(0)
-    for ch in prange(nchunk):
-        r0 = split[ch]
-        r1 = split[ch + 1]
-        if width == 1:
-            for r in range(r0, r1):
-                g = dyt[r, 0]
-                for k in range(ptr[r], ptr[r + 1]):
-                    dv[k] = g * xt[idx[k], 0]
-        elif width == _NARROW_W:
-            for r in range(r0, r1):
-                grow = dyt[r, :_NARROW_W]
-                for k in range(ptr[r], ptr[r + 1]):
-                    xrow = xt[idx[k], :_NARROW_W]
-                    s = zero
-                    for b in range(_NARROW_W):
-                        s += grow[b] * xrow[b]
-                    dv[k] = s
-        else:
-            for r in range(r0, r1):
-                grow = dyt[r]
-                for k in range(ptr[r], ptr[r + 1]):
-                    xrow = xt[idx[k]]
-                    s = zero
-                    for b in range(width):
-                        s += grow[b] * xrow[b]
-                    dv[k] = s
+    if width == 1:
+        for r in range(r0, r1):
+            g = dyt[r, 0]
+            for k in range(ptr[r], ptr[r + 1]):
+                dv[k] = g * xt[idx[k], 0]
+    elif width == _NARROW_W:
+        for r in range(r0, r1):
+            grow = dyt[r, :_NARROW_W]
+            for k in range(ptr[r], ptr[r + 1]):
+                xrow = xt[idx[k], :_NARROW_W]
+                s = zero
+                for b in range(_NARROW_W):
+                    s += grow[b] * xrow[b]
+                dv[k] = s
+    else:
+        for r in range(r0, r1):
+            grow = dyt[r]
+            for k in range(ptr[r], ptr[r + 1]):
+                xrow = xt[idx[k]]
+                s = zero
+                for b in range(width):
+                    s += grow[b] * xrow[b]
+                dv[k] = s
+
+
+@njit(parallel=True, fastmath={"contract", "reassoc"}, cache=True, nogil=True)
+def _sddmm_kernel(split, ptr, idx, dyt, xt, dv, parallel):
+    """dv[k] = <dyt[r_k, :], xt[c_k, :]>; dyt (out, Bp), xt (in, Bp) row-major, zero-padded alike."""
+    nchunk = split.shape[0] - 1
+    if parallel:
+        for ch in prange(nchunk):
+            _sddmm_rows(split[ch], split[ch + 1], ptr, idx, dyt, xt, dv)
+    else:
+        for ch in range(nchunk):
+            _sddmm_rows(split[ch], split[ch + 1], ptr, idx, dyt, xt, dv)
 
 
 def _plan(B: int):
@@ -382,8 +413,12 @@ def _col_bounds(topo: Topology, nchunk: int):
     return got
 
 
-def _threads() -> int:
+def _threads(work: int) -> int:
+    """Threads for a call doing `work` multiply-adds: torch.get_num_threads() (capped by Numba's
+    pool), or 1 below _PARALLEL_MIN_WORK. Sets Numba's thread count to match."""
     n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if work < _PARALLEL_MIN_WORK:
+        return 1
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n
@@ -520,11 +555,12 @@ def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor,
         return res
     if x.shape[1] == 0 or topo.nnz == 0:
         return res.zero_()
-    split, ptr, idx = _csr(topo, _threads() * _CHUNKS_PER_THREAD)
     plan, width = _plan(shape[0])
+    n = _threads(topo.nnz * width)
+    split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
     with torch.no_grad():
         _spmm_kernel(split, ptr, idx, _vector(values, cdtype), _tiles(x, cdtype, plan, width),
-                     x.shape[1], buf.detach().numpy(), plan)
+                     x.shape[1], buf.detach().numpy(), plan, n > 1)
     return _finish(res, buf)
 
 
@@ -551,15 +587,16 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,
         return res
     if dy.shape[1] == 0 or topo.nnz == 0:
         return res.zero_()
-    nchunk = _threads()  # one column range per thread: more ranges cost more passes over the rows
-    _, _, idx = _csr(topo, nchunk)
-    csplit, bounds = _col_bounds(topo, nchunk)
     plan, width = _plan(shape[0])
+    n = _threads(topo.nnz * width)
+    nchunk = n  # one column range per thread: each range is one more pass over the rows
+    _, _, idx = _csr(topo, 1)
+    csplit, bounds = _col_bounds(topo, nchunk)
     with torch.no_grad():
         src = _tiles(dy, cdtype, plan, width)
         vals = _vector(values, cdtype)
         part = np.empty(shape[1] * width, dtype=src.dtype)
-        _spmm_t_kernel(csplit, bounds, idx, vals, src, part, buf.detach().numpy(), plan)
+        _spmm_t_kernel(csplit, bounds, idx, vals, src, part, buf.detach().numpy(), plan, n > 1)
     return _finish(res, buf)
 
 
@@ -590,9 +627,10 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
         return res
     if dy.shape[0] == 0:
         return res.zero_()
-    split, ptr, idx = _csr(topo, _threads() * _CHUNKS_PER_THREAD)
+    width = _sddmm_width(dy.shape[0])
+    n = _threads(topo.nnz * width)
+    split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
     with torch.no_grad():
-        width = _sddmm_width(dy.shape[0])
         _sddmm_kernel(split, ptr, idx, _transposed(dy, cdtype, width), _transposed(x, cdtype, width),
-                      buf.detach().numpy())
+                      buf.detach().numpy(), n > 1)
     return _finish(res, buf)

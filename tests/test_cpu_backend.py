@@ -10,6 +10,7 @@ runs in seconds; speed is measured by experiments/bench_cpu.py, not here.
 """
 from __future__ import annotations
 
+import numba
 import pytest
 import torch
 
@@ -29,6 +30,14 @@ CASES = [
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
+@pytest.fixture(params=["serial", "parallel"])
+def mode(request, monkeypatch):
+    """Runs a test with the kernels on the calling thread only, and with parallel tasks (the
+    backend picks by the amount of work; these shapes are small, so force each way)."""
+    monkeypatch.setattr(cpu, "_PARALLEL_MIN_WORK", 0 if request.param == "parallel" else 1 << 62)
+    return request.param
+
+
 def make(gen, out_f, in_f, B, density, dtype):
     coo = COO.random((out_f, in_f), density=density, generator=gen, dtype=dtype)
     x = torch.randn(B, in_f, generator=gen).to(dtype)
@@ -45,7 +54,7 @@ def references(coo, x, dy):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("out_f, in_f, B, density", CASES)
-def test_ops_match_reference(gen, out_f, in_f, B, density, dtype):
+def test_ops_match_reference(gen, mode, out_f, in_f, B, density, dtype):
     coo, x, dy = make(gen, out_f, in_f, B, density, dtype)
     y_ref, dx_ref, dv_ref = references(coo, x, dy)
     y = cpu.spmm(x, coo.topology, coo.values)
@@ -66,7 +75,7 @@ def test_float32_against_scipy_odd_shape(gen):
     assert_close_dtype(dx, torch.from_numpy((w.T @ dy.double().numpy().T).T))
 
 
-def test_empty_rows_and_columns(gen):
+def test_empty_rows_and_columns(gen, mode):
     idx = torch.tensor([[1, 1, 3, 4, 4], [0, 5, 2, 0, 6]])
     coo = COO(idx, torch.randn(5, generator=gen), (6, 7))
     for B in (1, 3, 70):
@@ -102,7 +111,7 @@ def test_zero_batch_with_connections():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_out_argument(gen, dtype):
+def test_out_argument(gen, mode, dtype):
     coo, x, dy = make(gen, 33, 29, 70, 0.3, dtype)
     y_ref, dx_ref, dv_ref = references(coo, x, dy)
     for fn, args, shape, ref in ((cpu.spmm, (x, coo.topology, coo.values), (70, 33), y_ref),
@@ -145,13 +154,16 @@ def test_int64_topology_and_canonical_from_unsorted(gen):
     assert torch.equal(cpu.spmm(x, again.topology, again.values), cpu.spmm(x, coo.topology, coo.values))
 
 
-def test_deterministic_across_threads_and_calls(gen):
+def test_deterministic_across_threads_and_modes(gen, monkeypatch):
+    """Every output element is summed in a fixed order: bitwise equal results whatever the
+    thread count and whether the call runs in parallel."""
     coo, x, dy = make(gen, 300, 257, 67, 0.1, torch.float32)
     prev = torch.get_num_threads()
     results = []
     try:
-        for n in (1, 2, prev):
+        for n, min_work in ((1, 1 << 62), (1, 0), (2, 0), (prev, 0), (prev, 1 << 62)):
             torch.set_num_threads(n)
+            monkeypatch.setattr(cpu, "_PARALLEL_MIN_WORK", min_work)
             results.append((cpu.spmm(x, coo.topology, coo.values), cpu.spmm_t(dy, coo.topology, coo.values),
                             cpu.sddmm(dy, x, coo.topology)))
     finally:
@@ -159,6 +171,15 @@ def test_deterministic_across_threads_and_calls(gen):
     for r in results[1:]:
         for a, b in zip(results[0], r):
             assert torch.equal(a, b)
+
+
+def test_parallel_threshold():
+    """A large call is split into parallel tasks, a small one runs on the calling thread."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: every call runs serially")
+    expect = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    assert cpu._threads(cpu._PARALLEL_MIN_WORK) == expect
+    assert cpu._threads(cpu._PARALLEL_MIN_WORK - 1) == 1
 
 
 def test_supports():
@@ -231,9 +252,18 @@ def problem(draw):
     return out_f, in_f, B, nnz, seed, dtype
 
 
-@given(problem())
-def test_property_matches_reference(p):
+@given(problem(), st.booleans())
+def test_property_matches_reference(p, parallel):
     out_f, in_f, B, nnz, seed, dtype = p
+    old = cpu._PARALLEL_MIN_WORK
+    cpu._PARALLEL_MIN_WORK = 0 if parallel else 1 << 62
+    try:
+        _check_problem(out_f, in_f, B, nnz, seed, dtype)
+    finally:
+        cpu._PARALLEL_MIN_WORK = old
+
+
+def _check_problem(out_f, in_f, B, nnz, seed, dtype):
     g = torch.Generator().manual_seed(seed)
     coo = COO.random((out_f, in_f), nnz=nnz, generator=g, dtype=dtype)
     x = torch.randn(B, in_f, generator=g, dtype=dtype)
