@@ -47,8 +47,7 @@ __all__ = ["spmm", "spmm_t", "sddmm", "supports", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NATIVE = (torch.float32, torch.float64)
-_TILE = 64  # batch columns per register tile; a literal so that LLVM keeps the tile in registers
-_CHUNKS_PER_THREAD = 4
+_CHUNKS_PER_THREAD = 4  # row chunks per thread (SpMM, SDDMM): evens out uneven rows
 # Below this many multiply-adds (~1 ms on one core) a call runs on the calling thread alone: a
 # parallel region costs tens of microseconds on an idle machine, and on a busy one (other
 # processes, or torch's own OpenMP workers still spinning after a torch op) its fork-join can
@@ -78,7 +77,7 @@ def supports(dtype: torch.dtype) -> bool:
 # FMAs with the accumulators in registers; shorter literal loops are unrolled to scalar code,
 # and a loop of run-time trip count keeps its accumulators in memory. Hence the tile kinds:
 _ONE, _NARROW, _WIDE, _ANY = 0, 1, 2, 3   # B = 1 | <= 8 columns | 64 columns | a multiple of 8
-_TILE = 64
+_TILE = 64      # literal widths: module-level ints are compile-time constants in Numba
 _NARROW_W = 8
 
 
@@ -373,7 +372,8 @@ def _np_i32(t: torch.Tensor) -> np.ndarray:
 
 
 def _split(ptr: np.ndarray, nchunk: int) -> np.ndarray:
-    """Row boundaries (nchunk + 1,) cutting the rows into chunks of about equal nnz."""
+    """Boundaries (nchunk + 1,) cutting the rows (columns, for CSC pointers) into chunks of about
+    equal nnz; empty chunks are allowed."""
     nnz = int(ptr[-1])
     targets = (np.arange(nchunk + 1, dtype=np.int64) * nnz) // max(nchunk, 1)
     s = np.searchsorted(ptr, targets, side="left").astype(np.int32)
