@@ -88,40 +88,27 @@ def _row_count(n_cols):
 
 def _make_stage(BT, ld):
     @cuda.jit(device=True, inline=True)
-    def stage(xs, x, b0, batch, n_cols, stride, tid, nthreads):
-        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy, 8 loads in flight."""
-        for j in range(BT):
-            b = b0 + j
-            srow = j * stride
-            if b < batch:
-                grow = b * n_cols
-                c = tid
-                while c + 7 * nthreads < n_cols:
-                    a0 = ld(x, grow + c)
-                    a1 = ld(x, grow + c + nthreads)
-                    a2 = ld(x, grow + c + 2 * nthreads)
-                    a3 = ld(x, grow + c + 3 * nthreads)
-                    a4 = ld(x, grow + c + 4 * nthreads)
-                    a5 = ld(x, grow + c + 5 * nthreads)
-                    a6 = ld(x, grow + c + 6 * nthreads)
-                    a7 = ld(x, grow + c + 7 * nthreads)
-                    xs[srow + c] = a0
-                    xs[srow + c + nthreads] = a1
-                    xs[srow + c + 2 * nthreads] = a2
-                    xs[srow + c + 3 * nthreads] = a3
-                    xs[srow + c + 4 * nthreads] = a4
-                    xs[srow + c + 5 * nthreads] = a5
-                    xs[srow + c + 6 * nthreads] = a6
-                    xs[srow + c + 7 * nthreads] = a7
-                    c += 8 * nthreads
-                while c < n_cols:
-                    xs[srow + c] = ld(x, grow + c)
-                    c += nthreads
-            else:
-                c = tid
-                while c < n_cols:
-                    xs[srow + c] = float32(0.0)
-                    c += nthreads
+    def stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads):
+        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy of BT rows,
+        flattened so that every thread has 8 independent loads in flight (in `buf`)."""
+        total = BT * n_cols
+        e = tid
+        while e < total:
+            for u in range(8):
+                f = e + u * nthreads
+                v = float32(0.0)
+                if f < total:
+                    j = f // n_cols
+                    b = b0 + j
+                    if b < batch:
+                        v = ld(x, b * n_cols + (f - j * n_cols))
+                buf[u] = v
+            for u in range(8):
+                f = e + u * nthreads
+                if f < total:
+                    j = f // n_cols
+                    xs[j * stride + (f - j * n_cols)] = buf[u]
+            e += 8 * nthreads
     return stage
 
 
@@ -155,11 +142,12 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
 
     def spmm(x, ptr, idx, val, perm, y, n_rows, n_cols, batch):
         xs = cuda.shared.array(0, dtype=float32)
+        buf = cuda.local.array(8, dtype=float32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         b0 = cuda.blockIdx.x * BT
         stride = _row_count(n_cols)
-        stage(xs, x, b0, batch, n_cols, stride, tid, nthreads)
+        stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
         cuda.syncthreads()
 
         lane = tid & 31
@@ -232,6 +220,7 @@ def make_sddmm_kernel(bt: int, kind: int):
     def sddmm(x, dy, ptr, idx, dv, dvacc, n_rows, n_cols, batch):
         xs = cuda.shared.array(0, dtype=float32)
         ds = cuda.local.array(BT, dtype=float32)
+        buf = cuda.local.array(8, dtype=float32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         lane = tid & 31
@@ -242,7 +231,7 @@ def make_sddmm_kernel(bt: int, kind: int):
             b0 = tile * BT
             if tile > 0:
                 cuda.syncthreads()
-            stage(xs, x, b0, batch, n_cols, stride, tid, nthreads)
+            stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
             cuda.syncthreads()
             first = tile == 0
             last = tile == ntiles - 1
