@@ -237,6 +237,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def warm_up(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_sizes) -> None:
+    """Forward + backward (no optimizer step) at every batch size training will use, so that
+    kernel compilation (Numba JIT, cuBLAS handles) is not counted as training time."""
+    for b in batch_sizes:
+        F.cross_entropy(model(x[:b]), y[:b]).backward()
+    model.zero_grad(set_to_none=False)
+
+
 def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device) -> dict:
     """Trains one model; returns its row of results."""
     from tqdm.auto import tqdm
@@ -250,6 +258,7 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
     order = torch.Generator().manual_seed(cfg["seed"])  # same batch order for every model
     n, bs = x_train.shape[0], cfg["batch_size"]
     steps_per_epoch = math.ceil(n / bs)
+    warm_up(model, x_train, y_train, sorted({min(bs, n), n % bs or min(bs, n)}))
     train_time, loss_sum, accs = 0.0, 0.0, []
     for epoch in range(cfg["epochs"]):
         perm = torch.randperm(n, generator=order).to(device)
