@@ -87,28 +87,27 @@ def _row_count(n_cols):
 
 
 def _make_stage(BT, ld):
+    U = max(1, 8 // BT)  # columns per thread per round: U * BT = 8 loads in flight
+
     @cuda.jit(device=True, inline=True)
     def stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads):
-        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy of BT rows,
-        flattened so that every thread has 8 independent loads in flight (in `buf`)."""
-        total = BT * n_cols
-        e = tid
-        while e < total:
-            for u in range(8):
-                f = e + u * nthreads
-                v = float32(0.0)
-                if f < total:
-                    j = f // n_cols
-                    b = b0 + j
-                    if b < batch:
-                        v = ld(x, b * n_cols + (f - j * n_cols))
-                buf[u] = v
-            for u in range(8):
-                f = e + u * nthreads
-                if f < total:
-                    j = f // n_cols
-                    xs[j * stride + (f - j * n_cols)] = buf[u]
-            e += 8 * nthreads
+        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy of BT rows;
+        each thread loads U columns x BT rows (8 values, coalesced per row) before storing."""
+        c = tid
+        while c < n_cols:
+            for u in range(U):
+                cu = c + u * nthreads
+                for j in range(BT):
+                    v = float32(0.0)
+                    if cu < n_cols and b0 + j < batch:
+                        v = ld(x, (b0 + j) * n_cols + cu)
+                    buf[u * BT + j] = v
+            for u in range(U):
+                cu = c + u * nthreads
+                if cu < n_cols:
+                    for j in range(BT):
+                        xs[j * stride + cu] = buf[u * BT + j]
+            c += U * nthreads
     return stage
 
 
