@@ -39,7 +39,10 @@ from typing import Optional, Tuple
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
 
 from .coo import Topology
 
@@ -48,16 +51,101 @@ __all__ = ["spmm", "spmm_t", "sddmm", "supports", "SUPPORTED_DTYPES"]
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NATIVE = (torch.float32, torch.float64)
 _CHUNKS_PER_THREAD = 4  # row chunks per thread (SpMM, SDDMM): evens out uneven rows
-# Below this many multiply-adds (~1 ms on one core) a call runs on the calling thread alone: a
-# parallel region costs tens of microseconds on an idle machine, and on a busy one (other
+# Below this many multiply-adds (~0.5 ms on one core) a call runs on the calling thread alone:
+# a parallel region costs tens of microseconds on an idle machine, and on a busy one (other
 # processes, or torch's own OpenMP workers still spinning after a torch op) its fork-join can
 # wait a scheduler tick or two (4-8 ms) for a descheduled worker.
-_PARALLEL_MIN_WORK = 1 << 22
+_PARALLEL_MIN_WORK = 1 << 20
 
 
 def supports(dtype: torch.dtype) -> bool:
     """True for the dtypes this backend computes: float32, float64, float16, bfloat16."""
     return dtype in SUPPORTED_DTYPES
+
+
+# ---- SIMD values -------------------------------------------------------------------------------
+# Numba has no vector type and its SLP vectoriser is off, so a short accumulator array stays in
+# memory: every non-zero would then reload and store it, and the store-to-load round trip (not
+# the arithmetic) would bound the loop. These four intrinsics give a value of n elements held in
+# vector registers (an LLVM <n x float>; n = 64 float32 is four 512-bit registers).
+class _Vec(types.Type):
+    """n elements of dtype, an SSA value in vector registers."""
+
+    def __init__(self, dtype, n):
+        self.dtype = dtype
+        self.n = n
+        super().__init__(name=f"SnackVec({dtype}, {n})")
+
+
+@register_model(_Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        be = ir.VectorType(dmm.lookup(fe_type.dtype).get_value_type(), fe_type.n)
+        super().__init__(dmm, fe_type, be)
+
+
+def _elem_ptr(context, builder, arrty, arr, off, vt):
+    data = context.make_array(arrty)(context, builder, arr).data
+    return builder.bitcast(builder.gep(data, [off]), ir.PointerType(vt))
+
+
+@intrinsic
+def _vload(typingctx, arr, off, n):
+    """arr[off:off + n] (1-D contiguous array, n a literal int) as a _Vec; no bounds check."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    vec = _Vec(arr.dtype, n.literal_value)
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], context.get_value_type(vec))
+        return builder.load(ptr, align=context.get_abi_sizeof(context.get_value_type(arr.dtype)))
+    return vec(arr, off, n), codegen
+
+
+@intrinsic
+def _vstore(typingctx, arr, off, v):
+    """arr[off:off + n] = v; no bounds check."""
+    if not isinstance(v, _Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], args[2].type)
+        builder.store(args[2], ptr, align=context.get_abi_sizeof(context.get_value_type(arr.dtype)))
+        return context.get_dummy_value()
+    return types.none(arr, off, v), codegen
+
+
+@intrinsic
+def _vzeros(typingctx, like, n):
+    """A _Vec of n zeros of like's dtype (like: an array)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    vec = _Vec(like.dtype, n.literal_value)
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(context.get_value_type(vec), None)
+    return vec(like, n), codegen
+
+
+@intrinsic
+def _vfma(typingctx, acc, s, x):
+    """acc + s * x, element by element (one fused multiply-add), s a scalar."""
+    if not (isinstance(acc, _Vec) and acc == x):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a, sc, xv = args
+        vt = a.type
+        sc = context.cast(builder, sc, sig.args[1], sig.args[0].dtype)
+        undef = ir.Constant(vt, ir.Undefined)
+        lane = builder.insert_element(undef, sc, ir.Constant(ir.IntType(32), 0))
+        splat = builder.shuffle_vector(lane, undef, ir.Constant(ir.VectorType(ir.IntType(32), vt.count),
+                                                               [0] * vt.count))
+        suffix = f"v{vt.count}f{64 if vt.element == ir.DoubleType() else 32}"
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]),
+                                             f"llvm.fma.{suffix}")
+        return builder.call(fma, [splat, xv, a])
+    return acc(acc, s, x), codegen
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -66,19 +154,26 @@ def supports(dtype: torch.dtype) -> bool:
 #   ptr    int32 (rows + 1,)    CSR row pointers
 #   idx    int32 (nnz,)         column of each entry, CSR (canonical row-major) order
 #   vals   float (nnz,)         values, canonical order
-#   plan   int64 (ntile, 4)     batch tiles: (kind, first column b0, real width nb, padded width nw)
+#   plan   int64 (ntile, 3)     batch tiles: (width w in 1, 8, 16, 32, 64; first column b0; real
+#                               width nb <= w). w = 1 only for B = 1
 #   src    float (m * Bp,)      X^T (m = in) or dY^T (m = out) in tile-major blocks: tile t is an
-#                               (m, nw) block at offset b0 * m, columns nb .. nw - 1 zero. Blocks
-#                               keep each gathered row to nw contiguous elements, so a 64-wide tile
-#                               reads whole cache lines and every cache set (a row-major (m, 128)
-#                               X^T would use half of the sets per tile)
+#                               (m, w) block at offset b0 * m, its columns nb .. w - 1 zero. A
+#                               gathered row is then w contiguous elements (whole cache lines)
 #   dst    float (B, n)         written fully: Y (n = out) or dX (n = in)
-# Numba's loop vectoriser (SLP is off) turns a loop of literal trip count 64 into four vector
-# FMAs with the accumulators in registers; shorter literal loops are unrolled to scalar code,
-# and a loop of run-time trip count keeps its accumulators in memory. Hence the tile kinds:
-_ONE, _NARROW, _WIDE, _ANY = 0, 1, 2, 3   # B = 1 | <= 8 columns | 64 columns | a multiple of 8
-_TILE = 64      # literal widths: module-level ints are compile-time constants in Numba
-_NARROW_W = 8
+_WIDTHS = (8, 16, 32, 64)
+# Results of _STAGE consecutive rows are staged and written to Y (B, out) as runs of _STAGE
+# contiguous elements per batch column: writing a column Y[b0:b0 + 64, r] per row would touch 64
+# cache lines a stride of `out` elements apart, which for out a multiple of 1024 (float32) all
+# fall in one L1 set.
+_STAGE = 16
+
+
+@njit(inline="always")
+def _flush(stage, w, n, dst, b0, nb, r):
+    """dst[b0 + j, r - n + i] = stage[i * w + j] for i < n, j < nb."""
+    for j in range(nb):
+        for i in range(n):
+            dst[b0 + j, r - n + i] = stage[i * w + j]
 
 
 @njit(fastmath={"contract"}, inline="always")
@@ -104,84 +199,52 @@ def _rows_one(r0, r1, ptr, idx, vals, src, dst):
         dst[0, r] = (s0 + s1) + (s2 + s3)
 
 
-@njit(fastmath={"contract"}, inline="always")
-def _rows_wide(r0, r1, ptr, idx, vals, src, m, dst, b0, nb):
-    """Batch columns b0 .. b0 + 63 of rows r0 .. r1 - 1 (64 register accumulators per row)."""
-    acc = np.empty(_TILE, src.dtype)
-    zero = src.dtype.type(0)
-    base = b0 * m
-    for r in range(r0, r1):
-        for j in range(_TILE):
-            acc[j] = zero
-        for k in range(ptr[r], ptr[r + 1]):
-            v = vals[k]
-            o = base + idx[k] * _TILE
-            row = src[o:o + _TILE]
-            for j in range(_TILE):
-                acc[j] += v * row[j]
-        for j in range(nb):
-            dst[b0 + j, r] = acc[j]
+def _make_rows(w):
+    @njit(inline="always")
+    def rows(r0, r1, ptr, idx, vals, src, base, dst, b0, nb):
+        """Batch columns b0 .. b0 + w - 1 of rows r0 .. r1 - 1, w accumulators in registers."""
+        stage = np.empty(_STAGE * w, src.dtype)
+        n = 0
+        for r in range(r0, r1):
+            acc = _vzeros(src, w)
+            for k in range(ptr[r], ptr[r + 1]):
+                acc = _vfma(acc, vals[k], _vload(src, base + idx[k] * w, w))
+            _vstore(stage, n * w, acc)
+            n += 1
+            if n == _STAGE:
+                _flush(stage, w, n, dst, b0, nb, r + 1)
+                n = 0
+        _flush(stage, w, n, dst, b0, nb, r1)
+    return rows
 
 
-@njit(fastmath={"contract"}, inline="always")
-def _rows_narrow(r0, r1, ptr, idx, vals, src, m, dst, b0, nb):
-    """Batch columns b0 .. b0 + 7 (8 scalar register accumulators per row)."""
-    acc = np.empty(_NARROW_W, src.dtype)
-    zero = src.dtype.type(0)
-    base = b0 * m
-    for r in range(r0, r1):
-        for j in range(_NARROW_W):
-            acc[j] = zero
-        for k in range(ptr[r], ptr[r + 1]):
-            v = vals[k]
-            o = base + idx[k] * _NARROW_W
-            row = src[o:o + _NARROW_W]
-            for j in range(_NARROW_W):
-                acc[j] += v * row[j]
-        for j in range(nb):
-            dst[b0 + j, r] = acc[j]
+_rows8, _rows16, _rows32, _rows64 = (_make_rows(w) for w in _WIDTHS)
 
 
-@njit(fastmath={"contract"}, inline="always")
-def _rows_any(r0, r1, ptr, idx, vals, src, m, dst, b0, nb, nw):
-    """Batch columns b0 .. b0 + nw - 1, nw a multiple of 8 (accumulators in L1)."""
-    acc = np.empty(nw, src.dtype)
-    zero = src.dtype.type(0)
-    base = b0 * m
-    for r in range(r0, r1):
-        for j in range(nw):
-            acc[j] = zero
-        for k in range(ptr[r], ptr[r + 1]):
-            v = vals[k]
-            o = base + idx[k] * nw
-            row = src[o:o + nw]
-            for j in range(nw):
-                acc[j] += v * row[j]
-        for j in range(nb):
-            dst[b0 + j, r] = acc[j]
-
-
-@njit(fastmath={"contract"}, inline="always")
+@njit(inline="always")
 def _spmm_task(it, split, ptr, idx, vals, src, m, dst, plan):
     nchunk = split.shape[0] - 1
     t = it // nchunk
     ch = it - t * nchunk
     r0 = split[ch]
     r1 = split[ch + 1]
-    kind = plan[t, 0]
+    w = plan[t, 0]
     b0 = plan[t, 1]
     nb = plan[t, 2]
-    if kind == _ONE:
-        _rows_one(r0, r1, ptr, idx, vals, src, dst)
-    elif kind == _NARROW:
-        _rows_narrow(r0, r1, ptr, idx, vals, src, m, dst, b0, nb)
-    elif kind == _WIDE:
-        _rows_wide(r0, r1, ptr, idx, vals, src, m, dst, b0, nb)
+    base = b0 * m
+    if w == 64:
+        _rows64(r0, r1, ptr, idx, vals, src, base, dst, b0, nb)
+    elif w == 32:
+        _rows32(r0, r1, ptr, idx, vals, src, base, dst, b0, nb)
+    elif w == 16:
+        _rows16(r0, r1, ptr, idx, vals, src, base, dst, b0, nb)
+    elif w == 8:
+        _rows8(r0, r1, ptr, idx, vals, src, base, dst, b0, nb)
     else:
-        _rows_any(r0, r1, ptr, idx, vals, src, m, dst, b0, nb, plan[t, 3])
+        _rows_one(r0, r1, ptr, idx, vals, src, dst)
 
 
-@njit(parallel=True, fastmath={"contract"}, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _spmm_kernel(split, ptr, idx, vals, src, m, dst, plan, parallel):
     """Y = X W^T: src = X^T tiles (m = in), dst = Y (B, out); tasks = (row chunk, batch tile),
     run in parallel or, for small work, on the calling thread alone."""
@@ -207,37 +270,21 @@ def _scatter_one(k0, k1, idx, vals, g, part):
         part[idx[k]] += vals[k] * g
 
 
-@njit(fastmath={"contract"}, inline="always")
-def _scatter_wide(k0, k1, idx, vals, g, part, base):
-    for k in range(k0, k1):
-        v = vals[k]
-        o = base + idx[k] * _TILE
-        tgt = part[o:o + _TILE]
-        for j in range(_TILE):
-            tgt[j] += v * g[j]
+def _make_scatter(w):
+    @njit(inline="always")
+    def scatter(k0, k1, idx, vals, src, so, part, pbase):
+        """part[pbase + c_k * w + j] += v_k src[so + j] for k in k0 .. k1 - 1, j < w."""
+        g = _vload(src, so, w)
+        for k in range(k0, k1):
+            o = pbase + idx[k] * w
+            _vstore(part, o, _vfma(_vload(part, o, w), vals[k], g))
+    return scatter
 
 
-@njit(fastmath={"contract"}, inline="always")
-def _scatter_narrow(k0, k1, idx, vals, g, part, base):
-    for k in range(k0, k1):
-        v = vals[k]
-        o = base + idx[k] * _NARROW_W
-        tgt = part[o:o + _NARROW_W]
-        for j in range(_NARROW_W):
-            tgt[j] += v * g[j]
+_scatter8, _scatter16, _scatter32, _scatter64 = (_make_scatter(w) for w in _WIDTHS)
 
 
-@njit(fastmath={"contract"}, inline="always")
-def _scatter_any(k0, k1, idx, vals, g, part, base, nw):
-    for k in range(k0, k1):
-        v = vals[k]
-        o = base + idx[k] * nw
-        tgt = part[o:o + nw]
-        for j in range(nw):
-            tgt[j] += v * g[j]
-
-
-@njit(fastmath={"contract"}, inline="always")
+@njit(inline="always")
 def _spmm_t_task(it, csplit, bounds, idx, vals, src, part, dst, plan):
     nchunk = csplit.shape[0] - 1
     n_out = bounds.shape[1]
@@ -248,14 +295,13 @@ def _spmm_t_task(it, csplit, bounds, idx, vals, src, part, dst, plan):
     c1 = csplit[ch + 1]
     if c0 == c1:
         return
-    kind = plan[t, 0]
+    w = plan[t, 0]
     b0 = plan[t, 1]
     nb = plan[t, 2]
-    nw = plan[t, 3]
     sbase = b0 * n_out
     pbase = b0 * n_in
     zero = src.dtype.type(0)
-    for i in range(pbase + c0 * nw, pbase + c1 * nw):
+    for i in range(pbase + c0 * w, pbase + c1 * w):
         part[i] = zero
     lo = bounds[ch]
     hi = bounds[ch + 1]
@@ -264,23 +310,23 @@ def _spmm_t_task(it, csplit, bounds, idx, vals, src, part, dst, plan):
         k1 = hi[r]
         if k0 == k1:
             continue
-        if kind == _ONE:
-            _scatter_one(k0, k1, idx, vals, src[r], part)
-        elif kind == _NARROW:
-            o = sbase + r * _NARROW_W
-            _scatter_narrow(k0, k1, idx, vals, src[o:o + _NARROW_W], part, pbase)
-        elif kind == _WIDE:
-            o = sbase + r * _TILE
-            _scatter_wide(k0, k1, idx, vals, src[o:o + _TILE], part, pbase)
+        so = sbase + r * w
+        if w == 64:
+            _scatter64(k0, k1, idx, vals, src, so, part, pbase)
+        elif w == 32:
+            _scatter32(k0, k1, idx, vals, src, so, part, pbase)
+        elif w == 16:
+            _scatter16(k0, k1, idx, vals, src, so, part, pbase)
+        elif w == 8:
+            _scatter8(k0, k1, idx, vals, src, so, part, pbase)
         else:
-            o = sbase + r * nw
-            _scatter_any(k0, k1, idx, vals, src[o:o + nw], part, pbase, nw)
+            _scatter_one(k0, k1, idx, vals, src[r], part)
     for j in range(nb):
         for c in range(c0, c1):
-            dst[b0 + j, c] = part[pbase + c * nw + j]
+            dst[b0 + j, c] = part[pbase + c * w + j]
 
 
-@njit(parallel=True, fastmath={"contract"}, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _spmm_t_kernel(csplit, bounds, idx, vals, src, part, dst, plan, parallel):
     """dX = dY W. csplit int32 (nchunk + 1,): column ranges; bounds int32 (nchunk + 1, out):
     bounds[ch, r] is the first CSR position of row r whose column is >= csplit[ch]; src = dY^T
@@ -294,76 +340,98 @@ def _spmm_t_kernel(csplit, bounds, idx, vals, src, part, dst, plan, parallel):
             _spmm_t_task(it, csplit, bounds, idx, vals, src, part, dst, plan)
 
 
-# reassoc lets LLVM vectorise the dot products over the batch (a fixed summation tree per build:
-# results still do not depend on the thread count).
-@njit(fastmath={"contract", "reassoc"}, inline="always")
-def _sddmm_rows(r0, r1, ptr, idx, dyt, xt, dv):
-    width = xt.shape[1]
-    zero = xt.dtype.type(0)
-    if width == 1:
-        for r in range(r0, r1):
-            g = dyt[r, 0]
-            for k in range(ptr[r], ptr[r + 1]):
-                dv[k] = g * xt[idx[k], 0]
-    elif width == _NARROW_W:
-        for r in range(r0, r1):
-            grow = dyt[r, :_NARROW_W]
-            for k in range(ptr[r], ptr[r + 1]):
-                xrow = xt[idx[k], :_NARROW_W]
-                s = zero
-                for b in range(_NARROW_W):
-                    s += grow[b] * xrow[b]
-                dv[k] = s
-    else:
-        for r in range(r0, r1):
-            grow = dyt[r]
-            for k in range(ptr[r], ptr[r + 1]):
-                xrow = xt[idx[k]]
-                s = zero
-                for b in range(width):
-                    s += grow[b] * xrow[b]
-                dv[k] = s
+# SDDMM: dv_k = <dY^T[r_k, :], X^T[c_k, :]>, both operands in the same tile-major layout. Tasks
+# are chunks of rows; within a chunk, tile by tile, each row keeps its dY^T tile in registers
+# and every non-zero adds the pairwise (tree) sum of one elementwise product to dv_k.
+@intrinsic
+def _vdot(typingctx, a, b):
+    """sum(a * b) of two _Vec, summed as a balanced tree of halves (fixed order)."""
+    if not (isinstance(a, _Vec) and a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.fmul(args[0], args[1])
+        n = v.type.count
+        undef = ir.Constant(v.type, ir.Undefined)
+        while n > 1:
+            n //= 2
+            i32 = ir.IntType(32)
+            lo = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, n), list(range(n))))
+            hi = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, n), list(range(n, 2 * n))))
+            v = builder.fadd(lo, hi)
+            undef = ir.Constant(v.type, ir.Undefined)
+        return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+    return a.dtype(a, b), codegen
 
 
-@njit(parallel=True, fastmath={"contract", "reassoc"}, cache=True, nogil=True)
-def _sddmm_kernel(split, ptr, idx, dyt, xt, dv, parallel):
-    """dv[k] = <dyt[r_k, :], xt[c_k, :]>; dyt (out, Bp), xt (in, Bp) row-major, zero-padded alike."""
+def _make_sddmm(w):
+    @njit(inline="always")
+    def sddmm_rows(r0, r1, ptr, idx, gsrc, gbase, xsrc, xbase, dv, first):
+        for r in range(r0, r1):
+            g = _vload(gsrc, gbase + r * w, w)
+            if first:
+                for k in range(ptr[r], ptr[r + 1]):
+                    dv[k] = _vdot(g, _vload(xsrc, xbase + idx[k] * w, w))
+            else:
+                for k in range(ptr[r], ptr[r + 1]):
+                    dv[k] += _vdot(g, _vload(xsrc, xbase + idx[k] * w, w))
+    return sddmm_rows
+
+
+_sddmm8, _sddmm16, _sddmm32, _sddmm64 = (_make_sddmm(w) for w in _WIDTHS)
+
+
+@njit(inline="always")
+def _sddmm_task(ch, split, ptr, idx, dyt, xt, n_in, dv, plan):
+    r0 = split[ch]
+    r1 = split[ch + 1]
+    n_out = ptr.shape[0] - 1
+    for t in range(plan.shape[0]):
+        w = plan[t, 0]
+        b0 = plan[t, 1]
+        first = t == 0
+        if w == 64:
+            _sddmm64(r0, r1, ptr, idx, dyt, b0 * n_out, xt, b0 * n_in, dv, first)
+        elif w == 32:
+            _sddmm32(r0, r1, ptr, idx, dyt, b0 * n_out, xt, b0 * n_in, dv, first)
+        elif w == 16:
+            _sddmm16(r0, r1, ptr, idx, dyt, b0 * n_out, xt, b0 * n_in, dv, first)
+        elif w == 8:
+            _sddmm8(r0, r1, ptr, idx, dyt, b0 * n_out, xt, b0 * n_in, dv, first)
+        else:
+            for r in range(r0, r1):
+                g = dyt[r]
+                for k in range(ptr[r], ptr[r + 1]):
+                    dv[k] = g * xt[idx[k]]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _sddmm_kernel(split, ptr, idx, dyt, xt, n_in, dv, plan, parallel):
+    """dv[k] = <dY^T[r_k, :], X^T[c_k, :]>: dyt = dY^T tiles (m = out), xt = X^T tiles (m = in),
+    dv (nnz,); tasks = row chunks."""
     nchunk = split.shape[0] - 1
     if parallel:
         for ch in prange(nchunk):
-            _sddmm_rows(split[ch], split[ch + 1], ptr, idx, dyt, xt, dv)
+            _sddmm_task(ch, split, ptr, idx, dyt, xt, n_in, dv, plan)
     else:
         for ch in range(nchunk):
-            _sddmm_rows(split[ch], split[ch + 1], ptr, idx, dyt, xt, dv)
+            _sddmm_task(ch, split, ptr, idx, dyt, xt, n_in, dv, plan)
 
 
 def _plan(B: int):
-    """Batch tiles for the SpMM kernel: (plan int64 (ntile, 4), padded width)."""
+    """Batch tiles of the SpMM kernels: (plan int64 (ntile, 3), padded width). 64-wide tiles
+    while more than 32 columns remain, then one tile of 8, 16 or 32 (zero-padded)."""
     if B == 1:
-        return np.array([[_ONE, 0, 1, 1]], np.int64), 1
+        return np.array([[1, 0, 1]], np.int64), 1
     tiles = []
     b0 = 0
-    while B - b0 >= 48:  # a 64-wide register tile beats the in-memory loop from ~48 columns
-        tiles.append((_WIDE, b0, min(_TILE, B - b0), _TILE))
-        b0 += _TILE
+    while B - b0 > 32:
+        tiles.append((64, b0, min(64, B - b0)))
+        b0 += 64
     rem = B - b0
-    if 0 < rem <= _NARROW_W:
-        tiles.append((_NARROW, b0, rem, _NARROW_W))
-    elif rem > _NARROW_W:
-        tiles.append((_ANY, b0, rem, -(-rem // 8) * 8))
-    width = tiles[-1][1] + tiles[-1][3]
-    return np.array(tiles, np.int64), width
-
-
-def _sddmm_width(B: int) -> int:
-    """Padded batch width for SDDMM: 1, 8, a multiple of 8 below 48, else a multiple of 64."""
-    if B <= 1:
-        return B
-    if B <= _NARROW_W:
-        return _NARROW_W
-    if B < 48:
-        return -(-B // 8) * 8
-    return -(-B // _TILE) * _TILE
+    if rem > 0:
+        tiles.append((next(w for w in _WIDTHS if w >= rem), b0, rem))
+    return np.array(tiles, np.int64), tiles[-1][1] + tiles[-1][0]
 
 
 # ---- topology arrays (cached on the Topology) ---------------------------------------------------
@@ -478,22 +546,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in _NATIVE else torch.float32
 
 
-def _transposed(t: torch.Tensor, dtype: torch.dtype, width: int) -> np.ndarray:
-    """t (B, n) -> C-contiguous (n, width) numpy array of `dtype`, columns >= B zero (one copy;
-    none when B = width = 1 and t is a plain contiguous `dtype` tensor)."""
-    t = t.detach()
-    B, n = t.shape
-    if width == 1 and t.dtype == dtype and t.is_contiguous() and not t.is_neg():
-        return t.reshape(n, 1).numpy()
-    buf = torch.empty((n, width), dtype=dtype)
-    if width == B:
-        buf.copy_(t.t())
-    else:
-        buf[:, :B].copy_(t.t())
-        buf[:, B:].zero_()
-    return buf.numpy()
-
-
 def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int) -> np.ndarray:
     """t (B, m) -> flat tile-major t^T of `dtype` (see the kernels' `src`), one copy (none for a
     plain contiguous B = 1 tensor of `dtype`)."""
@@ -502,7 +554,7 @@ def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int) ->
     if width == 1 and t.dtype == dtype and t.is_contiguous() and not t.is_neg():
         return t.reshape(m).numpy()
     flat = torch.empty(m * width, dtype=dtype)
-    for _, b0, nb, nw in plan.tolist():
+    for nw, b0, nb in plan.tolist():
         blk = flat[b0 * m:(b0 + nw) * m].view(m, nw)
         blk[:, :nb].copy_(t[b0:b0 + nb].t())
         if nw > nb:
@@ -627,10 +679,10 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
         return res
     if dy.shape[0] == 0:
         return res.zero_()
-    width = _sddmm_width(dy.shape[0])
+    plan, width = _plan(dy.shape[0])
     n = _threads(topo.nnz * width)
     split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
     with torch.no_grad():
-        _sddmm_kernel(split, ptr, idx, _transposed(dy, cdtype, width), _transposed(x, cdtype, width),
-                      buf.detach().numpy(), n > 1)
+        _sddmm_kernel(split, ptr, idx, _tiles(dy, cdtype, plan, width), _tiles(x, cdtype, plan, width),
+                      x.shape[1], buf.detach().numpy(), plan, n > 1)
     return _finish(res, buf)
