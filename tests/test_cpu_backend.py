@@ -221,6 +221,22 @@ def test_bad_inputs_spmm(small):
             fn()
 
 
+@pytest.mark.parametrize("bad, match", [
+    ([[0, 2], [1, 9]], r"topo: indices\[1\].*\[0, 8\)"),       # column out of range
+    ([[0, 6], [1, 1]], r"topo: indices\[0\].*\[0, 6\)"),       # row out of range
+    ([[2, 0], [1, 1]], r"topo: indices.*canonical"),             # not sorted
+    ([[1, 1], [3, 3]], r"topo: indices.*canonical"),             # duplicated
+])
+def test_bad_topology_rejected_before_any_kernel(bad, match):
+    topo = Topology(torch.tensor(bad, dtype=torch.int32), (6, 8))
+    with pytest.raises(ValueError, match=match):
+        cpu.spmm(torch.randn(2, 8), topo, torch.ones(2))
+    with pytest.raises(ValueError, match=match):
+        cpu.spmm_t(torch.randn(2, 6), topo, torch.ones(2))
+    with pytest.raises(ValueError, match=match):
+        cpu.sddmm(torch.randn(2, 6), torch.randn(2, 8), topo)
+
+
 def test_bad_inputs_spmm_t_and_sddmm(small):
     coo, x, dy = small
     t, v = coo.topology, coo.values
