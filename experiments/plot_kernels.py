@@ -1,0 +1,82 @@
+"""Figures from results/bench_kernels.csv (written by experiments/bench_kernels.py); draws nothing
+it has not read from the CSV.
+
+  papers/fig_kernels.png: for the 4096 x 4096 layer, GPU time (CUDA-graph replay, median) of
+  the forward for SNACK, dense cuBLAS, Dense+Mask and cuSPARSE against the batch size, one panel
+  per sparsity, log scale; plus SNACK's dX and SDDMM and its fraction of the HBM roofline.
+Usage: python experiments/plot_kernels.py [--csv results/bench_kernels.csv] [--out papers/fig_kernels.png]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+from collections import defaultdict
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--csv", default="results/bench_kernels.csv")
+    ap.add_argument("--out", default="papers/fig_kernels.png")
+    ap.add_argument("--shape", default="4096x4096")
+    args = ap.parse_args(argv)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in csv.DictReader(open(args.csv)) if r["shape"] == args.shape
+            and r["op"] in ("forward", "dX", "SDDMM") and r["graph_us"] not in ("", "nan")]
+    if not rows:
+        raise SystemExit(f"no rows for shape {args.shape} in {args.csv}")
+    sps = sorted({float(r["sparsity"]) for r in rows})
+    data = defaultdict(dict)  # (sparsity, op, method) -> {B: us}
+    roof = defaultdict(dict)
+    for r in rows:
+        key = (float(r["sparsity"]), r["op"], r["method"])
+        data[key][int(r["batch"])] = float(r["graph_us"])
+        if r["method"] == "snack" and r["op"] == "forward" and r["roofline_frac"]:
+            roof[float(r["sparsity"])][int(r["batch"])] = float(r["roofline_frac"])
+    fig, axes = plt.subplots(1, len(sps) + 1, figsize=(4.2 * (len(sps) + 1), 3.8))
+    styles = {"snack": ("SNACK", "C3", "-"), "dense": ("dense cuBLAS", "C0", "-"),
+              "dense_mask": ("Dense+Mask", "C1", "-"), "cusparse_csr": ("cuSPARSE CSR", "C2", "-")}
+    for ax, sp in zip(axes, sps):
+        for m, (label, color, ls) in styles.items():
+            d = data.get((sp, "forward", m))
+            if d:
+                bs = sorted(d)
+                ax.plot(bs, [d[b] for b in bs], marker="o", color=color, ls=ls, label=label + " fwd")
+        for op, ls in (("dX", "--"), ("SDDMM", ":")):
+            d = data.get((sp, op, "snack"))
+            if d:
+                bs = sorted(d)
+                ax.plot(bs, [d[b] for b in bs], marker=".", color="C3", ls=ls, label=f"SNACK {op}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{args.shape}, sparsity {sp:g}")
+        ax.set_xlabel("batch B")
+        ax.set_ylabel("GPU time, us (graph replay, median)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    ax = axes[-1]
+    for sp in sps:
+        d = roof.get(sp)
+        if d:
+            bs = sorted(d)
+            ax.plot(bs, [100 * d[b] for b in bs], marker="o", label=f"sparsity {sp:g}")
+    ax.axhline(50, color="gray", ls="--", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_title("SNACK forward: % of HBM roofline")
+    ax.set_xlabel("batch B")
+    ax.set_ylabel("% of roofline (12 B/nnz + X, Y)")
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    gpu = rows[0].get("gpu", "")
+    fig.suptitle(f"SNACK-COO kernels on {gpu} (commit {rows[0].get('commit', '?')})", fontsize=10)
+    fig.tight_layout()
+    import os
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    fig.savefig(args.out, dpi=130)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
