@@ -91,23 +91,29 @@ def _make_stage(BT, ld):
 
     @cuda.jit(device=True, inline=True)
     def stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads):
-        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy of BT rows;
-        each thread loads U columns x BT rows (8 values, coalesced per row) before storing."""
+        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy of BT rows.
+
+        Fast path (whole batch tile, U columns in range): each thread loads U columns x BT rows
+        (8 values, coalesced per row) with no per-element test, then stores them; the tail and
+        a partial batch tile go element by element.
+        """
         c = tid
-        while c < n_cols:
-            for u in range(U):
-                cu = c + u * nthreads
-                for j in range(BT):
-                    v = float32(0.0)
-                    if cu < n_cols and b0 + j < batch:
-                        v = ld(x, (b0 + j) * n_cols + cu)
-                    buf[u * BT + j] = v
-            for u in range(U):
-                cu = c + u * nthreads
-                if cu < n_cols:
+        if b0 + BT <= batch:
+            while c + (U - 1) * nthreads < n_cols:
+                for u in range(U):
                     for j in range(BT):
-                        xs[j * stride + cu] = buf[u * BT + j]
-            c += U * nthreads
+                        buf[u * BT + j] = ld(x, (b0 + j) * n_cols + c + u * nthreads)
+                for u in range(U):
+                    for j in range(BT):
+                        xs[j * stride + c + u * nthreads] = buf[u * BT + j]
+                c += U * nthreads
+        while c < n_cols:
+            for j in range(BT):
+                v = float32(0.0)
+                if b0 + j < batch:
+                    v = ld(x, (b0 + j) * n_cols + c)
+                xs[j * stride + c] = v
+            c += nthreads
     return stage
 
 
@@ -302,8 +308,8 @@ def _make_stage_wide(ld):
         """xs[cl * 32 + (j ^ (cl & 7))] = X[b0 + j, c0 + cl] for cl < width (0 past the batch).
 
         A warp instruction covers 8 consecutive columns x 4 batch rows (4 full 32-byte sectors
-        read, 32 distinct banks written); 8 items are loaded (into `buf`, a local array of 8)
-        before they are stored, so enough loads are in flight.
+        read, 32 distinct banks written). Fast path (whole batch tile): 8 items are loaded into
+        `buf` (registers) with no per-element test before they are stored; then a checked tail.
         """
         lane = tid & 31
         warp = tid >> 5
@@ -312,22 +318,27 @@ def _make_stage_wide(ld):
         cli = lane & 7
         n_items = ((width + 7) >> 3) * 8
         item = warp
+        if b0 + WIDE <= batch:
+            # fast path: whole batch tile, 8 complete column groups per round, no tests
+            n_full = (width >> 3) * 8
+            while item + 7 * nwarps < n_full:
+                for u in range(8):
+                    it = item + u * nwarps
+                    buf[u] = ld(x, (b0 + jb * 8 + (it & 7)) * n_cols + c0 + (it >> 3) * 8 + cli)
+                for u in range(8):
+                    it = item + u * nwarps
+                    cl = (it >> 3) * 8 + cli
+                    xs[cl * 32 + ((jb * 8 + (it & 7)) ^ (cl & 7))] = buf[u]
+                item += 8 * nwarps
         while item < n_items:
-            for u in range(8):
-                it = item + u * nwarps
-                cl = (it >> 3) * 8 + cli
-                j = jb * 8 + (it & 7)
+            cl = (item >> 3) * 8 + cli
+            j = jb * 8 + (item & 7)
+            if cl < width:
                 v = float32(0.0)
-                if it < n_items and cl < width and b0 + j < batch:
+                if b0 + j < batch:
                     v = ld(x, (b0 + j) * n_cols + c0 + cl)
-                buf[u] = v
-            for u in range(8):
-                it = item + u * nwarps
-                cl = (it >> 3) * 8 + cli
-                j = jb * 8 + (it & 7)
-                if it < n_items and cl < width:
-                    xs[cl * 32 + (j ^ (cl & 7))] = buf[u]
-            item += 8 * nwarps
+                xs[cl * 32 + (j ^ (cl & 7))] = v
+            item += nwarps
     return stage
 
 

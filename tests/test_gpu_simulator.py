@@ -1,0 +1,23 @@
+"""Runs tests/gpu_sim (the CUDA kernels under Numba's simulator) in a subprocess with
+NUMBA_ENABLE_CUDASIM=1, which must be set before numba.cuda is imported. On a machine with a
+GPU the kernels are tested for real by tests/test_gpu_kernels.py instead."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: tests/test_gpu_kernels.py runs the kernels for real")
+def test_kernels_under_cuda_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                        str(ROOT / "tests" / "gpu_sim")], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=3000)
+    print(r.stdout[-4000:], r.stderr[-2000:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout
