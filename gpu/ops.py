@@ -12,7 +12,9 @@ Variant choice: the batch tile BT is the smallest power of two >= B, at most 8 (
 32 / BT groups that stream different non-zeros of a row); the shared-memory tile (in * BT * 4
 bytes) must fit the block's limit (227 KB on H100/H200), else BT is halved; if even BT = 1
 does not fit (in > ~58000) the op falls back to torch index ops. Blocks own a batch tile and a
-range of rows; the grid is sized to fill every SM once.
+range of rows; the grid is sized to fill every SM once. The 32-wide kernels (column chunks,
+conflict-free shared-memory reads) are taken where they measured faster (`WIDE_FROM`: the SDDMM
+from B = 32) or when asked (`wide=True`, `chunks=`).
 """
 from __future__ import annotations
 
@@ -137,11 +139,18 @@ def _dummy_int(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-WIDE_FROM = 16  # batch size from which the 32-wide kernels are used
+# Batch size from which the 32-wide kernels are used by default. Measured on the H200
+# (4096 x 4096, results/bench_kernels.csv, experiments/tune_kernels.py): the BT = 8 kernels win
+# the SpMMs at every B and sparsity tried (e.g. forward at 90 %, B = 32: 43 vs 48 us), the wide
+# SDDMM wins from B = 32 at 90 % (46 vs 56 us) and ties at 99 %.
+WIDE_FROM = {"spmm": None, "spmm_t": None, "sddmm": 32}
 
 
-def _use_wide(batch: int, wide: Optional[bool]) -> bool:
-    return batch >= WIDE_FROM if wide is None else bool(wide)
+def _use_wide(batch: int, wide: Optional[bool], op: str = "spmm") -> bool:
+    if wide is not None:
+        return bool(wide)
+    start = WIDE_FROM[op]
+    return start is not None and batch >= start
 
 
 def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks):
@@ -154,7 +163,7 @@ def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks):
         n_rows, n_cols = topo.shape
         ptr, idx, perm = topo.row_ptr, topo.indices[1], None
     kind = _KIND[x.dtype]
-    if _use_wide(batch, wide):
+    if _use_wide(batch, wide, "spmm_t" if transposed else "spmm"):
         nch, cw, smem = wide_chunks(n_cols, x.device, chunks)
         if smem <= device_properties(x.device)[1]:
             atomic = nch > 1
@@ -258,7 +267,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     x = x.contiguous()
     dy = dy.contiguous()
     kind = _KIND[x.dtype]
-    if _use_wide(batch, wide):
+    if _use_wide(batch, wide, "sddmm"):
         nch, cw, smem = wide_chunks(n_in, x.device, chunks)
         if smem <= device_properties(x.device)[1]:
             ntiles = -(-batch // kernels.WIDE)

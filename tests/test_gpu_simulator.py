@@ -1,4 +1,4 @@
-"""Runs tests/gpu_sim (the CUDA kernels under Numba's simulator) in a subprocess with
+"""Runs tests/gpu_sim/kernels_sim.py (the CUDA kernels under Numba's simulator) in a subprocess with
 NUMBA_ENABLE_CUDASIM=1, which must be set before numba.cuda is imported. On a machine with a
 GPU the kernels are tested for real by tests/test_gpu_kernels.py instead."""
 import os
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_kernels_under_cuda_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                        str(ROOT / "tests" / "gpu_sim")], cwd=ROOT, env=env, capture_output=True,
+                        str(ROOT / "tests" / "gpu_sim" / "kernels_sim.py")], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=3000)
     print(r.stdout[-4000:], r.stderr[-2000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

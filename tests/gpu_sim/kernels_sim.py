@@ -1,6 +1,10 @@
 """The real SNACK kernels (every variant family), run by Numba's CUDA simulator on tiny shapes,
 against the float64 reference: odd shapes, nnz = 0, empty rows, partial batch tiles, column
-chunks with atomics, float16/bfloat16, outputs poisoned before each run, bad input."""
+chunks with atomics, float16/bfloat16, outputs poisoned before each run, bad input.
+
+Not collected by a plain `pytest` run (the file name has no test_ prefix): the simulator must be
+switched on before numba.cuda is imported, so tests/test_gpu_simulator.py runs this file in a
+subprocess with NUMBA_ENABLE_CUDASIM=1."""
 import pytest
 import torch
 
