@@ -321,6 +321,10 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
 
 # ---- bookkeeping -------------------------------------------------------------------------------------
 def git_commit() -> str:
+    """The short commit of the checkout (SNACK_COMMIT overrides it, for copies without .git)."""
+    import os
+    if os.environ.get("SNACK_COMMIT"):
+        return os.environ["SNACK_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10)
