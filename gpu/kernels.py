@@ -302,6 +302,12 @@ def make_sddmm_kernel(bt: int, kind: int):
 WIDE = 32
 
 
+@cuda.jit(device=True, inline=True)
+def _windows(g):
+    """First batch column of the 8-column window that group g reads at steps q = 0..3."""
+    return ((g + 0) & 3) * 8, ((g + 1) & 3) * 8, ((g + 2) & 3) * 8, ((g + 3) & 3) * 8
+
+
 def _make_stage_wide(ld):
     @cuda.jit(device=True, inline=True)
     def stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads):
@@ -395,10 +401,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
         lane = tid & 31
         g = lane >> 3
         jj = lane & 7
-        w0 = ((g + 0) & 3) * 8
-        w1 = ((g + 1) & 3) * 8
-        w2 = ((g + 2) & 3) * 8
-        w3 = ((g + 3) & 3) * 8
+        w0, w1, w2, w3 = _windows(g)
         nwarps = nthreads >> 5
         r = r0 + (tid >> 5)
         while r < r1:
@@ -498,10 +501,7 @@ def make_sddmm_wide_kernel(kind: int):
         lane = tid & 31
         g = lane >> 3
         jj = lane & 7
-        w0 = ((g + 0) & 3) * 8
-        w1 = ((g + 1) & 3) * 8
-        w2 = ((g + 2) & 3) * 8
-        w3 = ((g + 3) & 3) * 8
+        w0, w1, w2, w3 = _windows(g)
         nwarps = nthreads >> 5
         ntiles = (batch + WIDE - 1) // WIDE
         for tile in range(ntiles):

@@ -199,48 +199,40 @@ def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks):
     return True
 
 
+def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks):
+    """Shared body of spmm (a = x, W) and spmm_t (a = dy, W^T): validate, allocate, launch."""
+    _check_common(name, a, topo)
+    n_out, n_in = topo.shape
+    n_a, n_res, what = (n_out, n_in, "out_features") if transposed else (n_in, n_out, "in_features")
+    if a.shape[1] != n_a:
+        raise ValueError(f"{name} must have {n_a} columns ({what}), got shape {tuple(a.shape)}")
+    _check_values(values, topo, a.dtype)
+    res = _check_out(out, (a.shape[0], n_res), a.dtype, a.device)
+    if res.numel() == 0:
+        return res
+    if topo.nnz == 0:
+        return res.zero_()
+    a = a.contiguous()
+    values = values.contiguous()
+    if not _run_spmm(a, topo, transposed, values, res, bt, threads, wide, chunks):
+        from snack.core import reference
+        ref = reference.spmm_t_reference if transposed else reference.spmm_reference
+        res.copy_(ref(a.float(), topo.indices, values.float(), n_res))
+    return res
+
+
 def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
          *, bt: Optional[int] = None, threads: int = _THREADS, wide: Optional[bool] = None,
          chunks: Optional[int] = None) -> torch.Tensor:
     """Y (B, out_features) = X W^T on the GPU; see the module docstring."""
-    _check_common("x", x, topo)
-    n_out, n_in = topo.shape
-    if x.shape[1] != n_in:
-        raise ValueError(f"x must have {n_in} columns (in_features), got shape {tuple(x.shape)}")
-    _check_values(values, topo, x.dtype)
-    y = _check_out(out, (x.shape[0], n_out), x.dtype, x.device)
-    if y.numel() == 0:
-        return y
-    if topo.nnz == 0:
-        return y.zero_()
-    x = x.contiguous()
-    values = values.contiguous()
-    if not _run_spmm(x, topo, False, values, y, bt, threads, wide, chunks):
-        from snack.core.reference import spmm_reference
-        y.copy_(spmm_reference(x.float(), topo.indices, values.float(), n_out))
-    return y
+    return _spmm_op("x", x, topo, values, out, False, bt, threads, wide, chunks)
 
 
 def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
            *, bt: Optional[int] = None, threads: int = _THREADS, wide: Optional[bool] = None,
            chunks: Optional[int] = None) -> torch.Tensor:
     """dX (B, in_features) = dY W on the GPU; see the module docstring."""
-    _check_common("dy", dy, topo)
-    n_out, n_in = topo.shape
-    if dy.shape[1] != n_out:
-        raise ValueError(f"dy must have {n_out} columns (out_features), got shape {tuple(dy.shape)}")
-    _check_values(values, topo, dy.dtype)
-    dx = _check_out(out, (dy.shape[0], n_in), dy.dtype, dy.device)
-    if dx.numel() == 0:
-        return dx
-    if topo.nnz == 0:
-        return dx.zero_()
-    dy = dy.contiguous()
-    values = values.contiguous()
-    if not _run_spmm(dy, topo, True, values, dx, bt, threads, wide, chunks):
-        from snack.core.reference import spmm_t_reference
-        dx.copy_(spmm_t_reference(dy.float(), topo.indices, values.float(), n_in))
-    return dx
+    return _spmm_op("dy", dy, topo, values, out, True, bt, threads, wide, chunks)
 
 
 def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch.Tensor] = None,
