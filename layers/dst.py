@@ -1,0 +1,559 @@
+"""Dynamic sparse training (SET, RigL) on SparseLinear's COO weights, without a dense mask.
+
+    dst = snack.dst.RigL(model, optimizer, total_steps=10_000)   # or snack.dst.SET(...)
+    for x, t in data:
+        loss(model(x), t).backward(); optimizer.step(); optimizer.zero_grad()
+        dst.step()                       # prunes and regrows every `update_every` steps
+
+Every `update_every` steps (until `end_step`) each layer drops a fraction f(t) of its connections
+by `drop_scores` (lowest first) and grows as many new ones at coordinates it does not hold, by
+`grow_scores` (highest first). The connection pattern is changed on the COO form only:
+- drop: a stable sort of the (nnz,) scores (SET: per sign group);
+- grow, SET: distinct ranks sampled among the out*in - nnz free coordinates and mapped to
+  coordinates through the sorted keys of the current pattern (one searchsorted), i.e. exactly
+  uniform over the free coordinates, O(nnz) memory;
+- grow, RigL: |dL/dW| at free coordinates, dL/dW = dY^T X from the layer's last input X (B, in)
+  and output gradient dY (B, out), captured by a forward hook on update steps only. The (out, in)
+  grid is scored in tiles of at most `grad_block_numel` entries (default 2**21, 8 MB in float32),
+  taking the top-k of each tile and merging, so the extra memory of an update is
+  O(grad_block_numel + nnz) plus the captured activations, never O(out * in);
+- the new canonical indices are written into `layer.indices` in place (the topology cache sees
+  the version change), values in place with regrown entries at exactly 0, and every (nnz,)
+  optimizer state tensor and `values.grad` are permuted in place: survivors keep their moments,
+  regrown entries start at 0, a pruned entry's state is discarded.
+Trade-off: tensors keep their shape and address (CUDA-graph friendly, optimizers untouched), but
+the re-sort costs O(nnz log nnz) and RigL recomputes the full dense-gradient product
+(B * out * in multiply-adds) tile by tile on every update step, as RigL itself does.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .linear import SparseLinear
+
+__all__ = ["DynamicSparseTraining", "SET", "RigL", "LayerUpdate", "UpdateSummary",
+           "cosine_drop_fraction"]
+
+_DECAYS = ("cosine", "constant")
+
+
+# ---- schedule ----------------------------------------------------------------------------------
+def cosine_drop_fraction(t: int, drop_fraction: float, end_step: float) -> float:
+    """RigL's cosine decay f(t) = drop_fraction / 2 * (1 + cos(pi * t / end_step)), 0 from end_step."""
+    if t >= end_step:
+        return 0.0
+    return drop_fraction / 2.0 * (1.0 + math.cos(math.pi * t / end_step))
+
+
+# ---- summaries ---------------------------------------------------------------------------------
+@dataclass
+class LayerUpdate:
+    """What one update did to one layer (`grown == dropped` always; nnz is unchanged)."""
+    name: str
+    shape: Tuple[int, int]
+    nnz: int
+    dropped: int
+    grown: int
+    skipped: str = ""   # why the layer was left alone, if it was
+
+
+@dataclass
+class UpdateSummary:
+    """One prune-and-regrow step: the DST step count, the drop fraction used, one row per layer."""
+    step: int
+    drop_fraction: float
+    layers: List[LayerUpdate] = field(default_factory=list)
+
+    @property
+    def dropped(self) -> int:
+        return sum(r.dropped for r in self.layers)
+
+    @property
+    def grown(self) -> int:
+        return sum(r.grown for r in self.layers)
+
+    def __str__(self) -> str:
+        lines = [f"DST update at step {self.step}, drop fraction {self.drop_fraction:.4f}"]
+        for r in self.layers:
+            extra = f" (skipped: {r.skipped})" if r.skipped else ""
+            lines.append(f"  {r.name or '<layer>'} {r.shape[0]}x{r.shape[1]} nnz={r.nnz}: "
+                         f"dropped {r.dropped}, grown {r.grown}{extra}")
+        return "\n".join(lines)
+
+
+# ---- COO helpers (all O(nnz) memory) ---------------------------------------------------------------
+def _flat_keys(layer: SparseLinear) -> torch.Tensor:
+    """int64 (nnz,) row * in_features + col, ascending (indices are canonical)."""
+    idx = layer.indices.to(torch.int64)
+    return idx[0] * layer.in_features + idx[1]
+
+
+def _sample_distinct(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """k distinct int64 values uniform in [0, n), sorted, on the CPU (generator g's device).
+
+    For k <= n / 2 by rejection of repeats (a few rounds of torch.unique on ~1.1 k draws); above,
+    by drawing the n - k values left out (then n < 2 k, so the complement is O(k))."""
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    if k > n // 2:
+        left_out = _sample_distinct(n, n - k, g)
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[left_out] = False
+        return keep.nonzero().flatten()
+    vals = torch.empty(0, dtype=torch.int64)
+    while vals.numel() < k:
+        need = k - vals.numel()
+        draw = torch.randint(0, n, (int(need * 1.1) + 16,), generator=g, dtype=torch.int64)
+        vals = torch.unique(torch.cat([vals, draw]))
+    if vals.numel() > k:  # drop a uniformly random surplus
+        vals = torch.sort(vals[torch.randperm(vals.numel(), generator=g)[:k]]).values
+    return vals
+
+
+def _free_ranks_to_keys(ranks: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Flat keys of the free coordinates with the given ranks (0-based, in row-major order).
+
+    keys: sorted distinct int64 (nnz,) of the occupied coordinates. keys[i] - i is the number of
+    free coordinates before keys[i] (non-decreasing), so the rank-j free coordinate is
+    j + #{i : keys[i] - i <= j}. Sorted ranks give sorted keys."""
+    if keys.numel() == 0:
+        return ranks
+    before = keys - torch.arange(keys.numel(), device=keys.device, dtype=torch.int64)
+    return ranks + torch.searchsorted(before, ranks, right=True)
+
+
+def _select_drop(scores: torch.Tensor, groups: Optional[torch.Tensor], counts: List[int]) -> torch.Tensor:
+    """Positions (int64, ascending) of the counts[g] lowest-scoring entries of each group g
+    (ties broken by position: the earlier entry in row-major order is dropped first)."""
+    if groups is None:
+        order = torch.sort(scores, stable=True).indices
+        return torch.sort(order[:counts[0]]).values
+    picked = []
+    for g, k in enumerate(counts):
+        if k == 0:
+            continue
+        pos = (groups == g).nonzero().flatten()
+        order = torch.sort(scores[pos], stable=True).indices
+        picked.append(pos[order[:k]])
+    if not picked:
+        return torch.empty(0, dtype=torch.int64, device=scores.device)
+    return torch.sort(torch.cat(picked)).values
+
+
+class _CaptureHook:
+    """The forward hook of a layer under RigL: forwards to the DST object's `_capture` through a
+    weak reference (the layer does not keep the DST object, its optimizer or its activations
+    alive) and pickles / deep-copies as a no-op hook, so torch.save(model) and
+    copy.deepcopy(model) neither drag the DST object along nor feed it from the copy."""
+
+    def __init__(self, dst: Optional["DynamicSparseTraining"] = None):
+        self._ref = weakref.ref(dst) if dst is not None else None
+
+    def __call__(self, module, inputs, output):
+        dst = self._ref() if self._ref is not None else None
+        if dst is not None:
+            dst._capture(module, inputs, output)
+
+    def __reduce__(self):
+        return (_CaptureHook, ())
+
+
+# ---- the base class ----------------------------------------------------------------------------
+class DynamicSparseTraining:
+    """Prunes and regrows the connections of SparseLinear layers on a schedule; owns the
+    optimizer-state remap. Subclasses define `drop_scores` (and `drop_groups`) and the growth
+    (`grow_scores`, or `grow` itself).
+
+    Args:
+        model: an nn.Module; every snack.SparseLinear in it is updated (or only `layers`).
+        optimizer: the torch.optim optimizer that holds each layer's `values` parameter; its
+            (nnz,) state tensors (Adam's exp_avg / exp_avg_sq, momentum buffers, ...) are
+            permuted with the connections on every update; scalar state (step) is left alone.
+        drop_fraction: fraction of each layer's connections replaced at an update, in [0, 1)
+            (at t = 0 for the cosine decay).
+        update_every: update every this many calls of `step()` (>= 1).
+        end_step: no update at or after this step. Default: 0.75 * total_steps when total_steps
+            is given, else updates never stop.
+        total_steps: the training length in optimizer steps (only used for end_step's default).
+        decay: "cosine" (f(t) = drop_fraction / 2 * (1 + cos(pi * t / end_step))) or "constant".
+            The cosine needs a horizon: without end_step / total_steps the fraction is constant.
+        seed: seeds this object's own CPU generator (the random choices of an update); by default
+            a seed is drawn from torch's global generator, so torch.manual_seed repeats a run.
+            The same seed gives the same patterns on CPU and CUDA.
+        layers: an iterable of SparseLinear modules to update instead of all those in `model`.
+
+    Call `step()` once per training step, after optimizer.step(). Per layer and update, exactly
+    as many connections are grown as dropped (nnz never changes), no coordinate appears twice,
+    grown coordinates are ones the layer did not hold before the update (a dropped connection
+    is not regrown in the same update), regrown values and their optimizer state are 0.
+    `last_update` holds the `UpdateSummary` of the latest update (also returned by `step()`).
+    Under DistributedDataParallel every rank must make the same choices: use the same seed (SET),
+    and note that RigL's scores come from each rank's local batch.
+    """
+
+    #: whether the growth needs the layers' last input and output gradient (RigL)
+    needs_gradient = False
+
+    def __init__(self, model: nn.Module, optimizer, *, drop_fraction: float = 0.3,
+                 update_every: int = 100, end_step: Optional[int] = None,
+                 total_steps: Optional[int] = None, decay: str = "cosine",
+                 seed: Optional[int] = None, layers: Optional[Iterable[SparseLinear]] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "state"):
+            raise TypeError("optimizer must be a torch.optim.Optimizer (with param_groups and "
+                            f"state), got {type(optimizer).__name__}")
+        if isinstance(drop_fraction, bool) or not isinstance(drop_fraction, Real) \
+                or math.isnan(drop_fraction) or not 0.0 <= float(drop_fraction) < 1.0:
+            raise ValueError(f"drop_fraction must be a number in [0, 1), got {drop_fraction!r}")
+        update_every = self._check_int("update_every", update_every)
+        if end_step is not None:
+            end_step = self._check_int("end_step", end_step)
+        if total_steps is not None:
+            total_steps = self._check_int("total_steps", total_steps)
+        if decay not in _DECAYS:
+            raise ValueError(f"decay must be one of {_DECAYS}, got {decay!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+
+        names = {id(m): n for n, m in model.named_modules()}
+        if layers is None:
+            found = [m for m in model.modules() if isinstance(m, SparseLinear)]
+            if not found:
+                raise ValueError(f"model ({type(model).__name__}) holds no snack.SparseLinear layer; "
+                                 "convert it with snack.sparsify(model) first")
+        else:
+            if isinstance(layers, nn.Module):
+                layers = [layers]
+            found = []
+            for i, m in enumerate(layers):
+                if not isinstance(m, SparseLinear):
+                    raise TypeError(f"layers[{i}] must be a snack.SparseLinear, got {type(m).__name__}")
+                if all(m is not f for f in found):
+                    found.append(m)
+            if not found:
+                raise ValueError("layers is empty; give at least one snack.SparseLinear")
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.layers: List[Tuple[str, SparseLinear]] = []
+        for i, m in enumerate(found):
+            name = names.get(id(m), f"layers[{i}]")
+            if id(m.values) not in held:
+                raise ValueError(f"optimizer does not hold the values parameter of layer "
+                                 f"{name or '<model>'} ({m.out_features}x{m.in_features}, "
+                                 f"nnz={m.nnz}); pass model.parameters() to the optimizer")
+            self.layers.append((name, m))
+
+        self.model = model
+        self.optimizer = optimizer
+        self.drop_fraction = float(drop_fraction)
+        self.update_every = update_every
+        self.total_steps = total_steps
+        if end_step is None and total_steps is not None:
+            end_step = max(1, int(0.75 * total_steps))
+        self.end_step = end_step
+        self.decay = decay
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
+        self.seed = int(seed)
+        self._gen = torch.Generator().manual_seed(self.seed)
+        self._step = 0
+        self.last_update: Optional[UpdateSummary] = None
+        self._captured: Dict[int, list] = {}
+        self._hooks = []
+        if self.needs_gradient:
+            for _, m in self.layers:
+                self._hooks.append(m.register_forward_hook(_CaptureHook(self)))
+
+    @staticmethod
+    def _check_int(name: str, v) -> int:
+        if isinstance(v, bool) or not isinstance(v, Integral):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+        return int(v)
+
+    # ---- schedule -----------------------------------------------------------------------------
+    @property
+    def num_steps(self) -> int:
+        """How many times `step()` has been called (restored by load_state_dict)."""
+        return self._step
+
+    def is_update_step(self, t: int) -> bool:
+        """Whether the t-th call of `step()` (t = 1, 2, ...) prunes and regrows."""
+        return t >= 1 and t % self.update_every == 0 and (self.end_step is None or t < self.end_step)
+
+    def drop_fraction_at(self, t: int) -> float:
+        """The fraction of connections replaced at step t (0 at or after end_step)."""
+        if self.end_step is not None and t >= self.end_step:
+            return 0.0
+        if self.decay == "cosine" and self.end_step is not None:
+            return cosine_drop_fraction(t, self.drop_fraction, self.end_step)
+        return self.drop_fraction
+
+    # ---- scores (override) --------------------------------------------------------------------
+    def drop_scores(self, layer: SparseLinear) -> torch.Tensor:
+        """(nnz,) scores of the layer's connections; the lowest are dropped. Default |value|."""
+        return layer.values.detach().abs()
+
+    def drop_groups(self, layer: SparseLinear) -> Optional[torch.Tensor]:
+        """None (one group), or int64 (nnz,) group ids 0..G-1: each group drops the same
+        fraction of its own members. Default None."""
+        return None
+
+    def grow_scores(self, layer: SparseLinear, rows: Tuple[int, int], cols: Tuple[int, int]) -> torch.Tensor:
+        """Scores (r1 - r0, c1 - c0) of the tile rows [r0, r1) x cols [c0, c1) of the (out, in)
+        grid; the highest free coordinates are grown. Called tile by tile by `grow`."""
+        raise NotImplementedError(f"{type(self).__name__} defines no grow_scores")
+
+    #: largest number of grid entries scored at once by `grow` (the memory bound of an update)
+    grad_block_numel = 2**21
+
+    def grow(self, layer: SparseLinear, keys: torch.Tensor, k: int) -> torch.Tensor:
+        """Sorted int64 flat keys (row * in + col) of k free coordinates with the highest
+        `grow_scores`. keys: the sorted (nnz,) keys of the current pattern, which are excluded.
+
+        The (out, in) grid is scored in tiles of at most `grad_block_numel` entries (whole rows
+        when a row fits, else pieces of one row); each tile keeps its top k, merged into a
+        running top k, so memory is O(grad_block_numel + k)."""
+        out_f, in_f = layer.out_features, layer.in_features
+        budget = max(1, int(self.grad_block_numel))
+        if in_f <= budget:
+            rb = max(1, budget // in_f)
+            tiles = [(r0, min(out_f, r0 + rb), 0, in_f) for r0 in range(0, out_f, rb)]
+        else:
+            tiles = [(r, r + 1, c0, min(in_f, c0 + budget))
+                     for r in range(out_f) for c0 in range(0, in_f, budget)]
+        # each tile's occupied coordinates are a contiguous run of the sorted keys
+        lo = torch.tensor([r0 * in_f + c0 for r0, _, c0, _ in tiles], dtype=torch.int64,
+                          device=keys.device)
+        hi = torch.tensor([(r1 - 1) * in_f + c1 for _, r1, _, c1 in tiles], dtype=torch.int64,
+                          device=keys.device)
+        bounds = torch.searchsorted(keys, torch.stack([lo, hi])).tolist()
+        best_s = best_k = None
+        for (r0, r1, c0, c1), a, b in zip(tiles, bounds[0], bounds[1]):
+            w = c1 - c0
+            s = self.grow_scores(layer, (r0, r1), (c0, c1))
+            if tuple(s.shape) != (r1 - r0, w):
+                raise ValueError(f"grow_scores must return shape {(r1 - r0, w)}, got {tuple(s.shape)}")
+            s = s.reshape(-1).clone() if not s.is_contiguous() else s.reshape(-1)
+            if b > a:
+                occ = keys[a:b]
+                s[(occ // in_f - r0) * w + (occ % in_f - c0)] = -math.inf
+            ts, ti = torch.topk(s, min(k, s.numel()), sorted=False)
+            tk = (ti // w + r0) * in_f + (ti % w + c0)
+            if best_s is None:
+                best_s, best_k = ts, tk
+            else:
+                best_s, best_k = torch.cat([best_s, ts]), torch.cat([best_k, tk])
+                if best_s.numel() > k:
+                    sel = torch.topk(best_s, k, sorted=False).indices
+                    best_s, best_k = best_s[sel], best_k[sel]
+        return torch.sort(best_k).values
+
+    # ---- gradient capture (RigL) --------------------------------------------------------------
+    def _capture(self, module: SparseLinear, inputs, output) -> None:
+        # a forward hook: keeps X and (through a hook on the output) dY, on update steps only
+        if not self.is_update_step(self._step + 1):
+            return
+        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+            return
+        x = inputs[0].detach().reshape(-1, module.in_features)
+        rec = [x, None]
+        self._captured.setdefault(id(module), []).append(rec)
+
+        def keep_grad(g, rec=rec, out_f=module.out_features):
+            rec[1] = g.detach().reshape(-1, out_f)
+        output.register_hook(keep_grad)
+
+    def _records(self, layer: SparseLinear) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        return [(x, dy) for x, dy in self._captured.get(id(layer), []) if dy is not None]
+
+    def remove_hooks(self) -> None:
+        """Detaches the forward hooks (RigL); the object must not be stepped afterwards."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._captured.clear()
+
+    # ---- the update ---------------------------------------------------------------------------
+    def step(self) -> Optional[UpdateSummary]:
+        """Counts one training step; on an update step prunes and regrows every layer and returns
+        the `UpdateSummary` (also kept in `last_update`), else returns None."""
+        self._step += 1
+        t = self._step
+        if not self.is_update_step(t):
+            self._captured.clear()
+            return None
+        f = self.drop_fraction_at(t)
+        summary = UpdateSummary(step=t, drop_fraction=f)
+        skipped = []
+        try:
+            with torch.no_grad():
+                for name, layer in self.layers:
+                    row = self._update_layer(name, layer, f)
+                    if row.skipped:
+                        skipped.append(name or "<model>")
+                    summary.layers.append(row)
+        finally:
+            self._captured.clear()
+        if skipped:
+            warnings.warn(f"{type(self).__name__} step {t}: no gradient was captured for layer(s) "
+                          f"{', '.join(skipped)} (run forward and backward of the step before "
+                          "dst.step()); their connections were left unchanged", RuntimeWarning,
+                          stacklevel=2)
+        self.last_update = summary
+        return summary
+
+    def _update_layer(self, name: str, layer: SparseLinear, f: float) -> LayerUpdate:
+        out_f, in_f = layer.out_features, layer.in_features
+        nnz = layer.nnz
+        free = out_f * in_f - nnz
+        row = LayerUpdate(name=name, shape=(out_f, in_f), nnz=nnz, dropped=0, grown=0)
+        if nnz == 0 or free == 0 or f <= 0.0:
+            return row
+        if self.needs_gradient and not self._records(layer):
+            row.skipped = "no gradient captured"
+            return row
+        groups = self.drop_groups(layer)
+        if groups is None:
+            sizes = [nnz]
+        else:
+            sizes = torch.bincount(groups, minlength=1).tolist()
+        counts = [int(round(f * s)) for s in sizes]
+        total = sum(counts)
+        if total > free:  # cannot grow more than there are free coordinates: scale down
+            counts = [c * free // total for c in counts]
+        k = sum(counts)
+        if k == 0:
+            return row
+        keys = _flat_keys(layer)
+        drop_pos = _select_drop(self.drop_scores(layer), groups, counts)
+        new_keys = self.grow(layer, keys, k)
+        if new_keys.numel() != k:
+            raise RuntimeError(f"grow returned {new_keys.numel()} coordinates, expected {k}")
+        self._rewire(layer, keys, drop_pos, new_keys.to(keys.device))
+        row.dropped = row.grown = k
+        return row
+
+    def _rewire(self, layer: SparseLinear, keys: torch.Tensor, drop_pos: torch.Tensor,
+                new_keys: torch.Tensor) -> None:
+        """Replaces the connections at positions drop_pos by those at new_keys (sorted, free),
+        writing indices, values, values.grad and the (nnz,) optimizer state in place."""
+        nnz, in_f = keys.numel(), layer.in_features
+        keep = torch.ones(nnz, dtype=torch.bool, device=keys.device)
+        keep[drop_pos] = False
+        kept_pos = keep.nonzero().flatten()
+        n_new = new_keys.numel()
+        merged, order = torch.sort(torch.cat([keys[kept_pos], new_keys]))
+        if n_new and bool((merged[1:] == merged[:-1]).any()):
+            raise RuntimeError("grow returned a coordinate the layer already holds")
+
+        def remap(t: torch.Tensor) -> torch.Tensor:
+            # survivors move to their new positions, new entries get 0; nothing else is carried
+            src = torch.cat([t[kept_pos], t.new_zeros(n_new)])
+            return src[order]
+
+        new_idx = torch.stack([merged // in_f, merged % in_f]).to(layer.indices.dtype)
+        layer.indices.copy_(new_idx)            # bumps the version: the topology is rebuilt
+        values = layer.values
+        values.copy_(remap(values.detach()))
+        if values.grad is not None and values.grad.shape == (nnz,):
+            values.grad.copy_(remap(values.grad))
+        state = self.optimizer.state.get(values) if hasattr(self.optimizer.state, "get") else None
+        if state:
+            for key, v in state.items():
+                if key != "step" and isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == nnz:
+                    v.copy_(remap(v))
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The step count and the random generator's state (the model and the optimizer save
+        the topology, values and moments themselves)."""
+        return {"step": self._step, "rng_state": self._gen.get_state(), "seed": self.seed,
+                "drop_fraction": self.drop_fraction, "update_every": self.update_every,
+                "end_step": self.end_step, "decay": self.decay}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores the step count and the random generator (hyper-parameters stay as built)."""
+        if not isinstance(state, dict) or "step" not in state or "rng_state" not in state:
+            raise ValueError("state must be a dict from DynamicSparseTraining.state_dict() with "
+                             f"'step' and 'rng_state', got {type(state).__name__}"
+                             + (f" with keys {sorted(state)}" if isinstance(state, dict) else ""))
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, Integral) or step < 0:
+            raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
+        self._step = int(step)
+        self._gen.set_state(state["rng_state"])
+        self.seed = int(state.get("seed", self.seed))
+        self._captured.clear()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(layers={len(self.layers)}, drop_fraction={self.drop_fraction}, "
+                f"update_every={self.update_every}, end_step={self.end_step}, decay={self.decay!r}, "
+                f"step={self._step})")
+
+
+# ---- SET -------------------------------------------------------------------------------------------
+class SET(DynamicSparseTraining):
+    """Sparse Evolutionary Training (Mocanu et al., 2018).
+
+    Drop: positive and negative weights separately, the same fraction of each group: the
+    smallest positives and the negatives closest to zero (zeros count as positives, dropped
+    first). Grow: uniformly at random among the free coordinates (what top-k of i.i.d. uniform
+    grow scores would give), sampled in rank space without a mask. The paper keeps the fraction
+    constant (decay="constant"); the default follows RigL's comparison (cosine). Arguments as
+    `DynamicSparseTraining`.
+    """
+
+    def drop_groups(self, layer: SparseLinear) -> torch.Tensor:
+        """0 for values >= 0, 1 for values < 0."""
+        return (layer.values.detach() < 0).to(torch.int64)
+
+    def grow(self, layer: SparseLinear, keys: torch.Tensor, k: int) -> torch.Tensor:
+        """k free coordinates uniformly at random (this object's generator), sorted flat keys."""
+        free = layer.out_features * layer.in_features - keys.numel()
+        ranks = _sample_distinct(free, k, self._gen).to(keys.device)
+        return _free_ranks_to_keys(ranks, keys)
+
+
+# ---- RigL ------------------------------------------------------------------------------------------
+class RigL(DynamicSparseTraining):
+    """Rigging the Lottery (Evci et al., 2020).
+
+    Drop: the connections of smallest |value|. Grow: the free coordinates of largest |dL/dW|,
+    dL/dW = sum over the step's forward calls of dY^T X, from the input and output gradient
+    captured by a forward hook during the forward/backward that precedes an update step
+    (nothing is kept on other steps). The grid is scored in tiles of at most `grad_block_numel`
+    entries. Defaults as the paper: drop fraction 0.3 with cosine decay, update every 100 steps,
+    stop at 75% of total_steps, new weights at zero.
+
+    Args: as `DynamicSparseTraining`, plus
+        grad_block_numel: the most (out, in) grid entries scored at once (default 2**21).
+    The hooks see eager calls only (not a replayed CUDA graph or a compiled region); a layer
+    that produced no gradient before an update step is left unchanged, with a warning.
+    """
+
+    needs_gradient = True
+
+    def __init__(self, model: nn.Module, optimizer, *, grad_block_numel: int = 2**21, **kwargs):
+        self.grad_block_numel = self._check_int("grad_block_numel", grad_block_numel)
+        super().__init__(model, optimizer, **kwargs)
+
+    def grow_scores(self, layer: SparseLinear, rows: Tuple[int, int], cols: Tuple[int, int]) -> torch.Tensor:
+        """|dY[:, r0:r1]^T X[:, c0:c1]| summed over the captured calls, in float32 (float64 for
+        float64 layers)."""
+        (r0, r1), (c0, c1) = rows, cols
+        acc = None
+        for x, dy in self._records(layer):
+            dt = torch.float64 if dy.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
+            g = torch.mm(dy[:, r0:r1].t().to(dt), x[:, c0:c1].to(dt))
+            acc = g if acc is None else acc.add_(g.to(acc.dtype))
+        return acc.abs_()

@@ -1,0 +1,521 @@
+"""Tests of snack.dst (SET, RigL): the invariants of dynamic sparse training on COO weights.
+
+Small MLPs of SparseLinear trained on random data: nnz preserved, indices canonical / unique /
+in range / int32 after every update, the pattern changes only on update steps, regrown values
+and optimizer moments exactly 0, survivors keep value and moments (matched by coordinate), the
+dropped set is the smallest-|v| one (SET per sign), RigL grows where a float64 dense gradient is
+largest, runs are deterministic, checkpoints round-trip bit for bit, the schedule, bad
+arguments, and no tensor of the dense weight's size during an update.
+"""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import snack
+from snack import SparseLinear
+from snack.layers.dst import (DynamicSparseTraining, RigL, SET, _free_ranks_to_keys,
+                              _sample_distinct, cosine_drop_fraction)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _mlp(seed=0, sizes=(20, 33, 17, 5), sparsity=0.8):
+    torch.manual_seed(seed)
+    mods = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        if i:
+            mods.append(nn.ReLU(inplace=True))
+        mods.append(SparseLinear(a, b, sparsity=sparsity))
+    return nn.Sequential(*mods)
+
+
+def _sparse(model):
+    return [m for m in model.modules() if isinstance(m, SparseLinear)]
+
+
+def _data(n, seed=1, in_f=20, out_f=5, batch=8):
+    g = _gen(seed)
+    return [(torch.randn(batch, in_f, generator=g), torch.randn(batch, out_f, generator=g))
+            for _ in range(n)]
+
+
+def _optimizer(name, params):
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-2)
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+
+def _keys(layer):
+    idx = layer.indices.long()
+    return idx[0] * layer.in_features + idx[1]
+
+
+def _check_canonical(layer):
+    idx = layer.indices
+    assert idx.dtype == torch.int32 and idx.shape == (2, layer.values.shape[0])
+    assert idx.is_contiguous()
+    if idx.shape[1]:
+        assert int(idx[0].min()) >= 0 and int(idx[0].max()) < layer.out_features
+        assert int(idx[1].min()) >= 0 and int(idx[1].max()) < layer.in_features
+    k = _keys(layer)
+    assert bool((k[1:] > k[:-1]).all())           # sorted row-major and unique
+
+
+def _snapshot(layer, opt):
+    """keys, values, grad and every (nnz,) optimizer state tensor, cloned."""
+    st = {n: v.clone() for n, v in opt.state.get(layer.values, {}).items()
+          if isinstance(v, torch.Tensor) and v.dim() == 1 and n != "step"}
+    grad = layer.values.grad.clone() if layer.values.grad is not None else None
+    return _keys(layer).clone(), layer.indices.clone(), layer.values.detach().clone(), grad, st
+
+
+def _train_step(model, opt, x, y):
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+# ---- invariants over a training run ------------------------------------------------------------
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+@pytest.mark.parametrize("cls", [SET, RigL])
+def test_invariants_over_many_updates(cls, opt_name):
+    model = _mlp()
+    layers = _sparse(model)
+    nnz0 = [l.nnz for l in layers]
+    opt = _optimizer(opt_name, model.parameters())
+    dst = cls(model, opt, update_every=3, drop_fraction=0.3, decay="constant", seed=1)
+    n_updates = changed = 0
+    for t, (x, y) in enumerate(_data(30), start=1):
+        _train_step(model, opt, x, y)
+        before = [_snapshot(l, opt) for l in layers]
+        summary = dst.step()
+        assert (summary is not None) == (t % 3 == 0)
+        assert dst.num_steps == t
+        for li, (l, (ok, oidx, ov, og, ost)) in enumerate(zip(layers, before)):
+            _check_canonical(l)
+            assert l.nnz == nnz0[li] and l.values.shape == (nnz0[li],)
+            if summary is None:                    # pattern and state untouched
+                assert torch.equal(l.indices, oidx) and torch.equal(l.values, ov)
+                continue
+            nk = _keys(l)
+            surv_new, surv_old = torch.isin(nk, ok), torch.isin(ok, nk)
+            n_grown = int((~surv_new).sum())
+            assert n_grown == int((~surv_old).sum())                    # grown == dropped
+            row = summary.layers[li]
+            assert row.dropped == row.grown == n_grown and row.nnz == l.nnz
+            changed += n_grown
+            # survivors keep value, gradient and moments (keys ascending on both sides)
+            v = l.values.detach()
+            assert torch.equal(v[surv_new], ov[surv_old])
+            assert torch.equal(l.values.grad[surv_new], og[surv_old])
+            assert torch.all(l.values.grad[~surv_new] == 0)
+            st = opt.state[l.values]
+            assert set(ost) <= set(st) and ost
+            for name, old in ost.items():
+                assert torch.equal(st[name][surv_new], old[surv_old]), name
+                assert torch.all(st[name][~surv_new] == 0), name          # regrown moments 0
+            assert torch.all(v[~surv_new] == 0)                             # regrown values 0
+            if opt_name == "adam":
+                assert st["step"].dim() == 0 and float(st["step"]) == t     # scalar state untouched
+        if summary is not None:
+            n_updates += 1
+            # the layers compute with the new pattern (the topology cache saw the change)
+            x0 = x[:3]
+            h = x0
+            for m in model:
+                h = F.linear(h, m.to_dense(), m.bias) if isinstance(m, SparseLinear) else torch.relu(h)
+            torch.testing.assert_close(model(x0.clone()), h, atol=1e-5, rtol=1e-5)
+        opt.zero_grad(set_to_none=False)
+    assert n_updates == 10 and changed > 0
+
+
+def test_set_drops_smallest_by_sign_and_grows_free_coordinates():
+    layer = SparseLinear(40, 30, sparsity=0.7)
+    g = _gen(4)
+    with torch.no_grad():
+        v = torch.randn(layer.nnz, generator=g)
+        v[:5] = 0.0                                    # zeros count as positives, dropped first
+        layer.values.copy_(v)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = SET(layer, opt, update_every=1, drop_fraction=0.3, decay="constant", seed=0)
+    old = _keys(layer).clone()
+    s = dst.step()
+    pos = (v >= 0).nonzero().flatten()
+    neg = (v < 0).nonzero().flatten()
+    k_pos, k_neg = round(0.3 * pos.numel()), round(0.3 * neg.numel())
+    drop_pos = pos[torch.argsort(v[pos])[:k_pos]]                   # smallest positives
+    drop_neg = neg[torch.argsort(v[neg], descending=True)[:k_neg]]  # negatives closest to 0
+    expected = set(old[torch.cat([drop_pos, drop_neg])].tolist())
+    new = _keys(layer)
+    assert set(old.tolist()) - set(new.tolist()) == expected
+    grown = set(new.tolist()) - set(old.tolist())
+    assert len(grown) == k_pos + k_neg == s.grown
+    assert not grown & set(old.tolist())              # only coordinates free before the update
+    assert all(0 <= k < 40 * 30 for k in grown)
+
+
+@pytest.mark.parametrize("block", [2**21, 20, 5])
+def test_rigl_drops_smallest_and_grows_largest_dense_gradient(block):
+    model = _mlp(seed=3, sizes=(13, 7, 6), sparsity=0.6)
+    l1, l2 = _sparse(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dst = RigL(model, opt, update_every=1, drop_fraction=0.3, decay="constant", seed=0,
+               grad_block_numel=block)
+    g = _gen(5)
+    batches = [(torch.randn(5, 13, generator=g), torch.randn(5, 6, generator=g)) for _ in range(2)]
+    # float64 dense reference of the same two accumulated micro-batches
+    w1 = l1.to_dense().double().detach().requires_grad_()
+    w2 = l2.to_dense().double().detach().requires_grad_()
+    for x, y in batches:
+        h = torch.relu(F.linear(x.double(), w1, l1.bias.double()))
+        ((F.linear(h, w2, l2.bias.double()) - y.double()) ** 2).sum().backward()
+    for x, y in batches:                                 # gradient accumulation: two calls per layer
+        ((model(x) - y) ** 2).sum().backward()
+    opt.step()
+    olds = [(_keys(l).clone(), l.values.detach().clone()) for l in (l1, l2)]
+    s = dst.step()
+    for l, w, (ok, ov), row in zip((l1, l2), (w1, w2), olds, s.layers):
+        k = round(0.3 * ok.numel())
+        assert row.dropped == row.grown == k > 0
+        nk = _keys(l)
+        dropped = set(ok.tolist()) - set(nk.tolist())
+        assert dropped == set(ok[torch.argsort(ov.abs())[:k]].tolist())
+        score = w.grad.abs().flatten().clone()
+        score[ok] = -1.0                                 # held coordinates cannot be grown
+        expected = set(torch.topk(score, k).indices.tolist())
+        assert set(nk.tolist()) - set(ok.tolist()) == expected
+        _check_canonical(l)
+
+
+def test_rigl_keeps_activations_only_on_update_steps_and_warns_without_gradient():
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = RigL(model, opt, update_every=2, seed=0, decay="constant")
+    (x, y), = _data(1)
+    _train_step(model, opt, x, y)
+    assert not dst._captured                  # step 1 is not an update step: nothing kept
+    assert dst.step() is None
+    _train_step(model, opt, x, y)
+    assert len(dst._captured) == 3            # step 2 is: X and dY of every layer
+    assert dst.step().grown > 0
+    assert not dst._captured
+    dst.step()
+    before = [l.indices.clone() for l in _sparse(model)]
+    with pytest.warns(RuntimeWarning, match="no gradient was captured"):
+        s = dst.step()                        # update step without forward/backward
+    assert all(r.skipped and r.grown == 0 for r in s.layers)
+    assert all(torch.equal(b, l.indices) for b, l in zip(before, _sparse(model)))
+    dst.remove_hooks()
+
+
+def test_rigl_hooks_do_not_follow_copies_of_the_model():
+    import io
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = RigL(model, opt, update_every=1, seed=0)
+    clone = copy.deepcopy(model)                       # the copy does not feed dst
+    buf = io.BytesIO()
+    torch.save(model, buf)                             # nor does torch.save carry dst along
+    assert len(buf.getvalue()) < 20000
+    (x, y), = _data(1)
+    F.mse_loss(clone(x), y).backward()
+    assert not dst._captured
+    _train_step(model, opt, x, y)
+    assert len(dst._captured) == 3
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    F.mse_loss(loaded(x), y).backward()                # a loaded model runs with a no-op hook
+    assert dst.step().grown > 0
+
+
+# ---- determinism and checkpoints ---------------------------------------------------------------
+def _run(cls, dst_seed, steps=12, model_seed=0):
+    model = _mlp(seed=model_seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = cls(model, opt, update_every=2, total_steps=steps, seed=dst_seed)
+    for x, y in _data(steps):
+        _train_step(model, opt, x, y)
+        opt.zero_grad()
+        dst.step()
+    return [(l.indices.clone(), l.values.detach().clone()) for l in _sparse(model)]
+
+
+@pytest.mark.parametrize("cls", [SET, RigL])
+def test_deterministic_with_seed(cls):
+    a, b = _run(cls, 7), _run(cls, 7)
+    for (ia, va), (ib, vb) in zip(a, b):
+        assert torch.equal(ia, ib) and torch.equal(va, vb)
+    if cls is SET:
+        c = _run(cls, 8)
+        assert any(not torch.equal(ia, ic) for (ia, _), (ic, _) in zip(a, c))
+
+
+def test_default_seed_follows_torch_manual_seed():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(42)
+    s1 = SET(model, opt).seed
+    torch.manual_seed(42)
+    assert SET(model, opt).seed == s1
+
+
+@pytest.mark.parametrize("cls", [SET, RigL])
+def test_checkpoint_round_trip(cls):
+    data = _data(12, seed=9)
+    kw = dict(update_every=2, total_steps=12)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = cls(model, opt, seed=5, **kw)
+    for x, y in data[:6]:
+        _train_step(model, opt, x, y)
+        opt.zero_grad()
+        dst.step()
+    sd_m, sd_o, sd_d = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+                        copy.deepcopy(dst.state_dict()))
+    assert sd_d["step"] == 6
+    # the model's state_dict holds indices and values and loads back bit for bit
+    model2 = _mlp(seed=123)
+    assert any(not torch.equal(a.indices, b.indices) for a, b in zip(_sparse(model), _sparse(model2)))
+    model2.load_state_dict(sd_m)
+    for a, b in zip(_sparse(model), _sparse(model2)):
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+        assert b.indices.dtype == torch.int32
+    x0 = data[0][0]
+    assert torch.equal(model(x0.clone()), model2(x0.clone()))
+    # resuming the run from the three checkpoints reproduces it exactly
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    opt2.load_state_dict(sd_o)
+    dst2 = cls(model2, opt2, seed=999, **kw)
+    dst2.load_state_dict(sd_d)
+    for x, y in data[6:]:
+        for m, o, d in ((model, opt, dst), (model2, opt2, dst2)):
+            _train_step(m, o, x, y)
+            o.zero_grad()
+            d.step()
+    assert dst.last_update is not None and dst2.last_update.step == dst.last_update.step
+    for a, b in zip(_sparse(model), _sparse(model2)):
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+
+
+# ---- schedule ----------------------------------------------------------------------------------
+def test_cosine_schedule_values():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = RigL(model, opt, total_steps=1000)                       # paper defaults
+    assert dst.drop_fraction == 0.3 and dst.update_every == 100 and dst.end_step == 750
+    assert dst.drop_fraction_at(0) == pytest.approx(0.3)
+    assert dst.drop_fraction_at(375) == pytest.approx(0.15)
+    assert dst.drop_fraction_at(250) == pytest.approx(0.15 * (1 + math.cos(math.pi / 3)))
+    assert dst.drop_fraction_at(750) == 0.0 and dst.drop_fraction_at(900) == 0.0
+    for t in (1, 100, 333, 700):
+        assert dst.drop_fraction_at(t) == pytest.approx(0.3 / 2 * (1 + math.cos(math.pi * t / 750)))
+        assert cosine_drop_fraction(t, 0.3, 750) == pytest.approx(dst.drop_fraction_at(t))
+    assert [t for t in range(1, 1001) if dst.is_update_step(t)] == [100, 200, 300, 400, 500, 600, 700]
+    dst.remove_hooks()
+    const = SET(model, opt, end_step=50, decay="constant", drop_fraction=0.2)
+    assert const.drop_fraction_at(10) == 0.2 and const.drop_fraction_at(50) == 0.0
+    forever = SET(model, opt, update_every=10)                     # no horizon: constant, never stops
+    assert forever.end_step is None and forever.drop_fraction_at(10**6) == 0.3
+    assert forever.is_update_step(10**6)
+
+
+def test_summary_uses_the_scheduled_fraction():
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = RigL(model, opt, update_every=4, total_steps=16, seed=0)   # end_step 12
+    seen = []
+    for x, y in _data(16):
+        _train_step(model, opt, x, y)
+        opt.zero_grad()
+        s = dst.step()
+        if s is not None:
+            seen.append(s.step)
+            assert s.drop_fraction == pytest.approx(cosine_drop_fraction(s.step, 0.3, 12))
+            for row, l in zip(s.layers, _sparse(model)):
+                assert row.grown == round(s.drop_fraction * l.nnz)
+            assert "dropped" in str(s)
+    assert seen == [4, 8]
+    assert dst.last_update.step == 8
+
+
+def test_end_step_stops_updates():
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = SET(model, opt, update_every=3, end_step=10, decay="constant", seed=0)
+    steps, frozen = [], None
+    for t, (x, y) in enumerate(_data(24), start=1):
+        _train_step(model, opt, x, y)
+        opt.zero_grad()
+        if dst.step() is not None:
+            steps.append(t)
+        if t == 9:
+            frozen = [l.indices.clone() for l in _sparse(model)]
+    assert steps == [3, 6, 9]
+    assert all(torch.equal(a, l.indices) for a, l in zip(frozen, _sparse(model)))
+
+
+# ---- edge cases --------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [SET, RigL])
+def test_empty_dense_and_nearly_dense_layers(cls):
+    torch.manual_seed(0)
+    model = nn.Sequential(SparseLinear(6, 5, sparsity=0.99),   # nnz = 0
+                          SparseLinear(5, 4, sparsity=0.0),    # dense: nothing free
+                          SparseLinear(4, 10, sparsity=0.1),   # 36 of 40: fewer free than dropped
+                          SparseLinear(10, 1, sparsity=0.0),
+                          SparseLinear(1, 1, sparsity=0.0))    # 1 x 1
+    layers = _sparse(model)
+    assert layers[0].nnz == 0 and layers[1].nnz == 20 and layers[2].nnz == 36
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = cls(model, opt, update_every=1, drop_fraction=0.5, decay="constant", seed=3)
+    for x, y in _data(4, in_f=6, out_f=1):
+        _train_step(model, opt, x, y)
+        opt.zero_grad()
+        before = [_keys(l).clone() for l in layers]
+        s = dst.step()
+        for l, b, row in zip(layers, before, s.layers):
+            _check_canonical(l)
+            assert l.nnz == b.numel()
+        assert [r.grown for r in s.layers][:2] == [0, 0] and s.layers[3].grown == 0
+        assert 0 < s.layers[2].grown <= 4                      # all 4 free coordinates at most
+        assert int((~torch.isin(_keys(layers[2]), before[2])).sum()) == s.layers[2].grown
+
+
+def test_layers_argument_selects_layers():
+    model = _mlp()
+    l1, l2, l3 = _sparse(model)
+    opt = torch.optim.Adam([l2.values, l2.bias], lr=1e-2)
+    dst = SET(model, opt, layers=[l2, l2], update_every=1, seed=0, decay="constant")
+    assert [m for _, m in dst.layers] == [l2] and dst.layers[0][0] == "2"
+    before = (l1.indices.clone(), l3.indices.clone(), l2.indices.clone())
+    dst.step()
+    assert torch.equal(before[0], l1.indices) and torch.equal(before[1], l3.indices)
+    assert not torch.equal(before[2], l2.indices)
+
+
+def test_rank_sampling_helpers():
+    keys = torch.tensor([1, 3, 4, 9], dtype=torch.int64)
+    free = [k for k in range(12) if k not in keys.tolist()]
+    assert _free_ranks_to_keys(torch.arange(8), keys).tolist() == free
+    assert _free_ranks_to_keys(torch.tensor([0, 5]), torch.empty(0, dtype=torch.int64)).tolist() == [0, 5]
+    g = _gen(0)
+    for n, k in ((100, 7), (10, 9), (10, 10), (5, 0), (1, 1)):     # both branches
+        s = _sample_distinct(n, k, g)
+        assert s.numel() == k and torch.equal(s, torch.unique(s))
+        assert k == 0 or (int(s.min()) >= 0 and int(s.max()) < n)
+    counts = torch.zeros(10)
+    for _ in range(3000):
+        counts[_sample_distinct(10, 3, g)] += 1
+    assert torch.all((counts - 900).abs() < 120), counts           # uniform over [0, n)
+
+
+# ---- memory ------------------------------------------------------------------------------------
+class _MaxNumel(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+        self.worst = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
+                self.max_numel, self.worst = t.numel(), func
+        return out
+
+
+@pytest.mark.parametrize("cls", [SET, RigL])
+def test_no_dense_sized_allocation_during_update(cls):
+    out_f, in_f = 512, 2048
+    torch.manual_seed(0)
+    layer = SparseLinear(in_f, out_f, sparsity=0.99)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    extra = {"grad_block_numel": 2**15} if cls is RigL else {}
+    dst = cls(layer, opt, update_every=1, decay="constant", seed=0, **extra)
+    layer(torch.randn(4, in_f)).pow(2).sum().backward()
+    opt.step()
+    with _MaxNumel() as mode:
+        s = dst.step()
+    assert s.grown == round(0.3 * layer.nnz) or cls is SET
+    assert s.grown > 1000
+    assert mode.max_numel < out_f * in_f // 10, (mode.max_numel, mode.worst)
+    _check_canonical(layer)
+
+
+# ---- bad arguments -----------------------------------------------------------------------------
+def _bad_cases():
+    m = _mlp()
+    ok = torch.optim.SGD(m.parameters(), lr=0.1)
+    return m, ok, [
+        (dict(model=nn.Sequential(nn.Linear(3, 3))), ValueError, "no snack.SparseLinear"),
+        (dict(model="net"), TypeError, "model must be"),
+        (dict(optimizer=[1, 2]), TypeError, "optimizer must be"),
+        (dict(optimizer=torch.optim.SGD([_sparse(m)[0].bias], lr=0.1)), ValueError, "does not hold"),
+        (dict(drop_fraction=1.0), ValueError, "drop_fraction"),
+        (dict(drop_fraction=-0.1), ValueError, "drop_fraction"),
+        (dict(drop_fraction=float("nan")), ValueError, "drop_fraction"),
+        (dict(drop_fraction="0.3"), ValueError, "drop_fraction"),
+        (dict(update_every=0), ValueError, "update_every"),
+        (dict(update_every=1.5), TypeError, "update_every"),
+        (dict(end_step=0), ValueError, "end_step"),
+        (dict(total_steps=-5), ValueError, "total_steps"),
+        (dict(decay="linear"), ValueError, "decay"),
+        (dict(seed="a"), TypeError, "seed"),
+        (dict(layers=[nn.Linear(2, 2)]), TypeError, r"layers\[0\]"),
+        (dict(layers=[]), ValueError, "layers is empty"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(16))
+@pytest.mark.parametrize("cls", [SET, RigL])
+def test_bad_arguments_raise(cls, case):
+    m, ok, cases = _bad_cases()
+    assert len(cases) == 16
+    kw, exc, match = cases[case]
+    args = dict(model=m, optimizer=ok)
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        cls(args.pop("model"), args.pop("optimizer"), **args)
+
+
+def test_bad_rigl_block_and_state_dict():
+    m = _mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="grad_block_numel"):
+        RigL(m, opt, grad_block_numel=0)
+    dst = SET(m, opt)
+    with pytest.raises(ValueError, match="rng_state"):
+        dst.load_state_dict({"step": 3})
+    with pytest.raises(ValueError, match="step"):
+        dst.load_state_dict({"step": -1, "rng_state": dst.state_dict()["rng_state"]})
+
+
+def test_public_names():
+    import snack.dst
+    assert snack.dst.SET is SET and snack.dst.RigL is RigL
+    assert issubclass(SET, DynamicSparseTraining) and issubclass(RigL, DynamicSparseTraining)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [SET, RigL])
+def test_cuda_matches_cpu_pattern(cls):
+    runs = []
+    for dev in ("cpu", "cuda"):
+        model = _mlp().to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)     # values stay put: same drops
+        dst = cls(model, opt, update_every=1, decay="constant", seed=2)
+        x, y = _data(1)[0]
+        F.mse_loss(model(x.to(dev)), y.to(dev)).backward()
+        opt.step()
+        dst.step()
+        for l in _sparse(model):
+            _check_canonical(l)
+        runs.append([l.indices.cpu() for l in _sparse(model)])
+    if cls is SET:   # RigL's float32 gradients may differ in the last bits between devices
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
