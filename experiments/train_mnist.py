@@ -9,13 +9,15 @@ bytes of weights (+ indices), gradients and optimizer state counted from the act
 peak memory (CUDA: torch.cuda.max_memory_allocated over the run; CPU: those state bytes plus
 the tensors autograd saves for backward in one step). The run's config goes beside the CSV.
 
-Trade-off: the topology is static here (no prune/regrow), so the accuracy gap is that of a
-fixed random-magnitude mask at initialisation, and the whole data set lives in memory (on the
-GPU when training there) so that loading never hides the layers' speed.
+By default the connection pattern stays the one chosen at initialisation; `--dst=set` or
+`--dst=rigl` trains the sparse model with snack.dst (prune and regrow every `update_every` steps,
+same nnz). Trade-off: the whole data set lives in memory (on the GPU when training there), so
+that loading never hides the layers' speed, at 190 MB for MNIST in float32.
 
 Config nanoGPT-style: every default below can be overridden as --key=value, e.g.
     python experiments/train_mnist.py                               # full run
     python experiments/train_mnist.py --sparsity=0.95 --distribution=uniform --epochs=5
+    python experiments/train_mnist.py --dst=rigl --epochs=20
     python experiments/train_mnist.py --quick                       # seconds: a smoke test
 """
 from __future__ import annotations
@@ -50,6 +52,9 @@ DEFAULTS = dict(
     models="dense,sparse",    # which of the two to train, comma separated, in this order
     sparsity=0.9,             # fraction of connections removed, over all layers together
     distribution="erk",       # erk | uniform: how sparsity is spread over the layers
+    dst="none",               # none | set | rigl: dynamic sparse training of the sparse model
+    drop_fraction=0.3,        # dst: fraction pruned and regrown per update (cosine decay)
+    update_every=100,         # dst: steps between updates (updates stop at 75% of training)
     epochs=10,
     batch_size=128,
     optimizer="adam",         # adam | sgd (with momentum)
@@ -108,6 +113,12 @@ def _validate(cfg: dict) -> None:
         raise ValueError(f"sparsity must be in [0, 1), got {cfg['sparsity']}")
     if cfg["distribution"] not in ("erk", "uniform"):
         raise ValueError(f"distribution must be 'erk' or 'uniform', got {cfg['distribution']!r}")
+    if cfg["dst"] not in ("none", "set", "rigl"):
+        raise ValueError(f"dst must be none, set or rigl, got {cfg['dst']!r}")
+    if not 0.0 <= cfg["drop_fraction"] < 1.0:
+        raise ValueError(f"drop_fraction must be in [0, 1), got {cfg['drop_fraction']}")
+    if cfg["update_every"] < 1:
+        raise ValueError(f"update_every must be >= 1, got {cfg['update_every']}")
     if cfg["optimizer"] not in ("adam", "sgd"):
         raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg['optimizer']!r}")
     if cfg["device"] not in ("auto", "cpu", "cuda"):
@@ -259,6 +270,11 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
     n, bs = x_train.shape[0], cfg["batch_size"]
     steps_per_epoch = math.ceil(n / bs)
     warm_up(model, x_train, y_train, sorted({min(bs, n), n % bs or min(bs, n)}))
+    dst = None
+    if kind == "sparse" and cfg["dst"] != "none":
+        dst = {"set": snack.dst.SET, "rigl": snack.dst.RigL}[cfg["dst"]](
+            model, opt, drop_fraction=cfg["drop_fraction"], update_every=cfg["update_every"],
+            total_steps=cfg["epochs"] * steps_per_epoch, seed=cfg["seed"])
     train_time, loss_sum, accs = 0.0, 0.0, []
     for epoch in range(cfg["epochs"]):
         perm = torch.randperm(n, generator=order).to(device)
@@ -274,6 +290,8 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
             opt.step()
+            if dst is not None:
+                dst.step()  # prunes and regrows on update steps; nnz stays the same
             loss_sum += loss.detach()
             if step % 50 == 49 and cfg["progress"]:
                 bar.set_postfix(loss=f"{float(loss):.3f}")
@@ -291,6 +309,7 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
         dataset=cfg["dataset"],
         sparsity=cfg["sparsity"] if kind == "sparse" else 0.0,
         distribution=cfg["distribution"] if kind == "sparse" else "",
+        dst=cfg["dst"] if kind == "sparse" else "none",
         achieved_sparsity=round(1.0 - connections(model) / connections(init), 6),
         params=sum(p.numel() for p in model.parameters()),
         connections=connections(model),
@@ -341,7 +360,8 @@ def _mb(b: int) -> str:
 
 
 def print_table(rows) -> None:
-    cols = [("model", "model", str), ("sparsity", "sparsity", lambda v: f"{v:.2f}"),
+    rows = [{**r, "label": r["model"] + (f"+{r['dst']}" if r["dst"] != "none" else "")} for r in rows]
+    cols = [("model", "label", str), ("sparsity", "sparsity", lambda v: f"{v:.2f}"),
             ("params", "params", str), ("connections", "connections", str),
             ("test acc", "test_acc", lambda v: f"{100 * v:.2f}%"),
             ("train s", "train_time_s", lambda v: f"{v:.1f}"), ("ms/step", "ms_per_step", lambda v: f"{v:.2f}"),
@@ -368,8 +388,9 @@ def main(argv=None) -> list:
         torch.set_num_threads(cfg["threads"])
     device = pick_device(cfg["device"])
     env = environment(device)
+    dst = "" if cfg["dst"] == "none" else f", dynamic sparse training: {cfg['dst']}"
     print(f"train_mnist: {cfg['dataset']} LeNet-300-100, dense vs snack.SparseLinear at sparsity "
-          f"{cfg['sparsity']} ({cfg['distribution']}), {cfg['epochs']} epoch(s), batch {cfg['batch_size']}, "
+          f"{cfg['sparsity']} ({cfg['distribution']}{dst}), {cfg['epochs']} epoch(s), batch {cfg['batch_size']}, "
           f"{cfg['optimizer']} lr {cfg['lr']}, on {env['device']} ({env['device_name']}, "
           f"{env['cpu_threads']} CPU threads), sparse backend '{env['sparse_backend']}', torch {env['torch']}, "
           f"commit {env['git_commit'] or '?'}", flush=True)

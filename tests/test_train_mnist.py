@@ -3,8 +3,8 @@
 `--quick` trains dense and truly sparse LeNet-300-100 for one epoch on 3000 MNIST examples
 through the command line exactly as a user runs it, then checks the CSV and JSON it writes:
 both models beat chance (10%) by a wide margin, the sparse one stores ~10x fewer connections,
-and its weights + gradients + optimizer state take fewer bytes. Config parsing is tested in
-process.
+and its weights + gradients + optimizer state take fewer bytes. Runs with dynamic sparse
+training (SET, RigL) and config parsing are tested in process.
 """
 import csv
 import importlib.util
@@ -78,6 +78,19 @@ def test_quick_run_is_truly_sparse(quick_run):
         assert int(r["peak_bytes"]) >= int(r["state_bytes"])
 
 
+@pytest.mark.parametrize("dst", ["set", "rigl"])
+def test_quick_run_with_dynamic_sparse_training(tmp_path, dst):
+    from experiments import train_mnist as tm
+    rows = tm.main(["--quick", "--models=sparse", f"--dst={dst}", "--update_every=10",
+                    "--progress=false", "--device=cpu", f"--out_dir={tmp_path}"])
+    (r,) = rows
+    assert r["model"] == "sparse" and r["dst"] == dst
+    assert abs(r["connections"] - 26620) <= 3  # prune and regrow keep nnz
+    assert r["test_acc"] > 0.5, f"{dst}: test accuracy {r['test_acc']:.3f}"
+    with open(tmp_path / "train_mnist.csv") as f:
+        assert next(csv.DictReader(f))["dst"] == dst
+
+
 def test_config_overrides():
     from experiments import train_mnist as tm
     cfg = tm.parse_config([])
@@ -94,6 +107,8 @@ def test_config_overrides():
     (["--models=dense,moe"], "models must be"),
     (["--epochs=0"], "epochs must be >= 1"),
     (["--device=tpu"], "device must be"),
+    (["--dst=snip"], "dst must be"),
+    (["--update_every=0"], "update_every must be >= 1"),
 ])
 def test_bad_config_raises(argv, match):
     from experiments import train_mnist as tm
