@@ -56,7 +56,7 @@ figures:
 	@set -e; for f in $(PLOT_SCRIPTS); do echo "== $$f"; $(PY) $$f; done
 
 # Figure <name>: experiments/bench_<name>.py writes results/<name>*.csv (GPU), then
-# experiments/plot_<name>.py draws papers/figures/<name>*.png from the CSV.
+# experiments/plot_<name>.py draws papers/fig_<name>.png from the CSV.
 #   make figure-kernels   Figure 1: SpMM / SDDMM time vs dense, Dense+Mask, cuSPARSE
 #   make figure-layer     Figure 2: one layer's training / inference time, memory, energy
 #   make figure-gpt2      Figure 3: GPT-2 peak training memory, CUDA-graph inference latency
