@@ -131,7 +131,11 @@ def _perm32(topo: Topology) -> torch.Tensor:
     p = topo.cache.get("col_perm_i32")
     if p is None:
         p = topo.col_perm.to(torch.int32).contiguous()
+        _ = topo.rows_by_col, topo.col_ptr  # built from the int64 permutation, before it goes
         topo.cache["col_perm_i32"] = p
+        # the int64 permutation (8 bytes per connection) is not needed by the kernels: drop it
+        # from the cache (Topology.col_perm rebuilds it on demand)
+        topo.cache.pop("col_perm", None)
     return p
 
 
