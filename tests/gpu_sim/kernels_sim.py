@@ -116,3 +116,19 @@ def test_transposed_spmm_keeps_only_int32_metadata():
     assert "col_perm" not in t.cache
     assert t.cache["col_perm_i32"].dtype == torch.int32
     assert torch.equal(t.cache["col_perm_i32"].long(), t.col_perm)  # rebuilt on demand, same order
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_error_within_twice_torchs_own(dtype):
+    # the rule: our error <= 2 x the error of torch's own dense matmul at that dtype (+ a small atol),
+    # both against the float64 product of the same rounded inputs
+    g = torch.Generator().manual_seed(21)
+    coo = COO.random((9, 40), density=0.5, seed=8)
+    x = torch.randn(6, 40, generator=g).to(dtype)
+    v = coo.values.to(dtype)
+    ref = spmm_reference(x.double(), coo.indices, v.double(), 9)
+    w = coo.with_values(v).to_dense()
+    torch_err = ((x @ w.t()).double() - ref).abs().max().item()
+    ours = G.spmm(x, coo.topology, v)
+    our_err = (ours.double() - ref).abs().max().item()
+    assert our_err <= 2 * torch_err + 1e-3 * ref.abs().max().item(), (our_err, torch_err)
