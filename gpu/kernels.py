@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32, int32, int16
+from numba import cuda, float32, int16, int32, uint32
 from numba.types import float16
 
 FULL_MASK = 0xFFFFFFFF
@@ -97,16 +97,24 @@ def _make_stage(BT, ld):
         (8 values, coalesced per row) with no per-element test, then stores them; the tail and
         a partial batch tile go element by element.
         """
-        c = tid
+        c = int32(tid)
         if b0 + BT <= batch:
-            while c + (U - 1) * nthreads < n_cols:
+            # 32-bit offsets, advanced by addition (Numba would compute every address in int64)
+            n32 = int32(n_cols)
+            s32 = int32(stride)
+            nt = int32(nthreads)
+            g = int32(b0 * n_cols) + c
+            last = n32 - int32((U - 1) * nthreads)
+            while c < last:
+                # unsigned offsets: Numba adds no negative-index wraparound to unsigned indices
                 for u in range(U):
                     for j in range(BT):
-                        buf[u * BT + j] = ld(x, (b0 + j) * n_cols + c + u * nthreads)
+                        buf[u * BT + j] = ld(x, uint32(g + int32(j * n32 + u * nt)))
                 for u in range(U):
                     for j in range(BT):
-                        xs[j * stride + c + u * nthreads] = buf[u * BT + j]
-                c += U * nthreads
+                        xs[uint32(c + int32(j * s32 + u * nt))] = buf[u * BT + j]
+                c = int32(c + int32(U) * nt)
+                g = int32(g + int32(U) * nt)
         while c < n_cols:
             for j in range(BT):
                 v = float32(0.0)
@@ -138,11 +146,11 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
         c = int32(0)
         v = float32(0.0)
         if k < end:
-            c = idx[k]
+            c = idx[uint32(k)]
             if HAS_PERM:
-                v = ld(val, perm[k])
+                v = ld(val, uint32(perm[uint32(k)]))
             else:
-                v = ld(val, k)
+                v = ld(val, uint32(k))
         return c, v
 
     def spmm(x, ptr, idx, val, perm, y, n_rows, n_cols, batch):
@@ -176,16 +184,16 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
                 nbb, nvb = load_nz(idx, val, perm, nb + 32 + lane, end)
                 if G == 32:
                     # BT == 1: each lane owns its non-zeros, no broadcast needed
-                    acc0 += va * xs[ca]
-                    acc1 += vb * xs[cb]
+                    acc0 += va * xs[uint32(ca)]
+                    acc1 += vb * xs[uint32(cb)]
                 else:
                     for t in range(0, 32, G):
                         c0 = cuda.shfl_sync(FULL_MASK, ca, t + g)
                         v0 = cuda.shfl_sync(FULL_MASK, va, t + g)
                         c1 = cuda.shfl_sync(FULL_MASK, cb, t + g)
                         v1 = cuda.shfl_sync(FULL_MASK, vb, t + g)
-                        acc0 += v0 * xs[jrow + c0]
-                        acc1 += v1 * xs[jrow + c1]
+                        acc0 += v0 * xs[uint32(jrow + c0)]
+                        acc1 += v1 * xs[uint32(jrow + c1)]
                 ca = na
                 va = nva
                 cb = nbb
@@ -257,28 +265,28 @@ def make_sddmm_kernel(bt: int, kind: int):
                     ca = int32(0)
                     cb = int32(0)
                     if ka < end:
-                        ca = idx[ka]
+                        ca = idx[uint32(ka)]
                     if kb < end:
-                        cb = idx[kb]
+                        cb = idx[uint32(kb)]
                     sa = float32(0.0)
                     sb = float32(0.0)
                     for jj in range(BT):
-                        sa += ds[jj] * xs[jj * stride + ca]
-                        sb += ds[jj] * xs[jj * stride + cb]
+                        sa += ds[jj] * xs[uint32(jj * stride + ca)]
+                        sb += ds[jj] * xs[uint32(jj * stride + cb)]
                     if ka < end:
                         if not first:
-                            sa += dvacc[ka]
+                            sa += dvacc[uint32(ka)]
                         if last:
-                            dv[ka] = cv(sa)
+                            dv[uint32(ka)] = cv(sa)
                         else:
-                            dvacc[ka] = sa
+                            dvacc[uint32(ka)] = sa
                     if kb < end:
                         if not first:
-                            sb += dvacc[kb]
+                            sb += dvacc[uint32(kb)]
                         if last:
-                            dv[kb] = cv(sb)
+                            dv[uint32(kb)] = cv(sb)
                         else:
-                            dvacc[kb] = sb
+                            dvacc[uint32(kb)] = sb
                     base += 64
                 r += rstride
 
