@@ -76,3 +76,26 @@ def gen(seed) -> torch.Generator:
 def rng(seed) -> np.random.Generator:
     """A numpy Generator seeded per test."""
     return np.random.default_rng(seed)
+
+
+try:
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError:  # pragma: no cover - very old torch
+    TorchDispatchMode = object
+
+
+class MaxNumel(TorchDispatchMode):
+    """Records the largest tensor any op produces while active (`max_numel`, and the op in
+    `worst`): the tests use it to show that nothing of the dense weight's size is allocated."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+        self.worst = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
+                self.max_numel, self.worst = t.numel(), func
+        return out

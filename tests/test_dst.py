@@ -12,9 +12,10 @@ import math
 
 import pytest
 import torch
+
+from conftest import MaxNumel
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import snack
 from snack import SparseLinear
@@ -415,18 +416,6 @@ def test_rank_sampling_helpers():
 
 
 # ---- memory ------------------------------------------------------------------------------------
-class _MaxNumel(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-        self.worst = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
-                self.max_numel, self.worst = t.numel(), func
-        return out
 
 
 @pytest.mark.parametrize("cls", [SET, RigL])
@@ -439,7 +428,7 @@ def test_no_dense_sized_allocation_during_update(cls):
     dst = cls(layer, opt, update_every=1, decay="constant", seed=0, **extra)
     layer(torch.randn(4, in_f)).pow(2).sum().backward()
     opt.step()
-    with _MaxNumel() as mode:
+    with MaxNumel() as mode:
         s = dst.step()
     assert s.grown == round(0.3 * layer.nnz) or cls is SET
     assert s.grown > 1000

@@ -7,7 +7,6 @@ columns, 1 x 1, leading dims and non-contiguous inputs.
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import snack
 import snack.functional
@@ -15,7 +14,7 @@ from snack.core import canonicalize, uniform_indices
 from snack.layers import backend
 from snack.layers.functional import sparse_linear
 
-from conftest import assert_close_dtype, tolerance
+from conftest import MaxNumel, assert_close_dtype, tolerance
 
 F64_ATOL = tolerance(torch.float64)[1]
 
@@ -263,18 +262,6 @@ def test_autocast_cpu_bf16():
 
 
 # ---- nothing of the dense weight's size ------------------------------------------------------------
-class _MaxNumel(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-        self.worst = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.numel() > self.max_numel:
-                self.max_numel, self.worst = t.numel(), func
-        return out
 
 
 @pytest.mark.parametrize("which", ["auto", "reference"])
@@ -284,7 +271,7 @@ def test_no_dense_sized_allocation_in_forward_or_backward(which):
     out_f, in_f, B = 1024, 1024, 4
     layer = snack.SparseLinear(in_f, out_f, sparsity=0.99)
     x = torch.randn(B, in_f, requires_grad=True)
-    with backend.force_backend(which), _MaxNumel() as mode:   # incl. the topology build
+    with backend.force_backend(which), MaxNumel() as mode:   # incl. the topology build
         y = layer(x)
         (y * y).sum().backward()
     assert layer.values.grad is not None and x.grad is not None
