@@ -12,10 +12,10 @@ import math
 
 import pytest
 import torch
-
-from conftest import MaxNumel
 import torch.nn as nn
 import torch.nn.functional as F
+
+from conftest import MaxNumel
 
 import snack
 from snack import SparseLinear
