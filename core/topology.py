@@ -18,7 +18,7 @@ import torch
 
 from .coo import _check_shape, _seed_from_torch
 
-__all__ = ["uniform_indices", "erdos_renyi_density", "erk_densities", "density_to_nnz"]
+__all__ = ["uniform_indices", "sample_distinct", "erdos_renyi_density", "erk_densities", "density_to_nnz"]
 
 
 def density_to_nnz(shape: Tuple[int, int], density: Optional[float] = None,
@@ -39,8 +39,18 @@ def density_to_nnz(shape: Tuple[int, int], density: Optional[float] = None,
     return nnz
 
 
-def _sample_unique_keys(n: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """k distinct int64 keys uniform in [0, n), sorted. Expects k <= n / 2."""
+def sample_distinct(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """k distinct int64 values uniform in [0, n), sorted, drawn with generator g (CPU).
+
+    For k <= n / 2 by rejection of repeats (a few rounds of torch.unique on ~1.1 k draws, memory
+    O(k)); above, by drawing the n - k values left out (then n < 2 k, so the complement is O(k))."""
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    if k > n // 2:
+        left_out = sample_distinct(n, n - k, g)
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[left_out] = False
+        return keep.nonzero().flatten()
     keys = torch.empty(0, dtype=torch.int64)
     while keys.numel() < k:
         need = k - keys.numel()
@@ -63,13 +73,7 @@ def uniform_indices(shape: Tuple[int, int], *, density: Optional[float] = None,
     n = rows * cols
     if k == 0:
         return torch.empty(2, 0, dtype=torch.int32)
-    if k <= n // 2:
-        keys = _sample_unique_keys(n, k, g)
-    else:
-        drop = _sample_unique_keys(n, n - k, g) if n - k > 0 else torch.empty(0, dtype=torch.int64)
-        keep = torch.ones(n, dtype=torch.bool)
-        keep[drop] = False
-        keys = keep.nonzero().flatten()
+    keys = sample_distinct(n, k, g)
     return torch.stack([keys // cols, keys % cols]).to(torch.int32).contiguous()
 
 

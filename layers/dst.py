@@ -37,6 +37,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from snack.core.topology import sample_distinct
+
 from .linear import SparseLinear
 
 __all__ = ["DynamicSparseTraining", "SET", "RigL", "LayerUpdate", "UpdateSummary",
@@ -96,26 +98,7 @@ def _flat_keys(layer: SparseLinear) -> torch.Tensor:
     return idx[0] * layer.in_features + idx[1]
 
 
-def _sample_distinct(n: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """k distinct int64 values uniform in [0, n), sorted, on the CPU (generator g's device).
-
-    For k <= n / 2 by rejection of repeats (a few rounds of torch.unique on ~1.1 k draws); above,
-    by drawing the n - k values left out (then n < 2 k, so the complement is O(k))."""
-    if k <= 0:
-        return torch.empty(0, dtype=torch.int64)
-    if k > n // 2:
-        left_out = _sample_distinct(n, n - k, g)
-        keep = torch.ones(n, dtype=torch.bool)
-        keep[left_out] = False
-        return keep.nonzero().flatten()
-    vals = torch.empty(0, dtype=torch.int64)
-    while vals.numel() < k:
-        need = k - vals.numel()
-        draw = torch.randint(0, n, (int(need * 1.1) + 16,), generator=g, dtype=torch.int64)
-        vals = torch.unique(torch.cat([vals, draw]))
-    if vals.numel() > k:  # drop a uniformly random surplus
-        vals = torch.sort(vals[torch.randperm(vals.numel(), generator=g)[:k]]).values
-    return vals
+_sample_distinct = sample_distinct  # k distinct values in [0, n): snack.core.topology
 
 
 def _free_ranks_to_keys(ranks: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
