@@ -79,34 +79,25 @@ class _DriverKernel:
 
     def __init__(self, dispatcher, sig, n_arrays: int, n_scalars: int, max_smem: int):
         from cuda.bindings import driver
-        self._driver = driver
-        kern = dispatcher.compile(sig)
-        cufunc = kern._codelibrary.get_cufunc()
-        self.handle = cufunc.handle
+        handle = _kernel_handle(dispatcher, sig)
         self.n_arrays = n_arrays
-        self.n_scalars = n_scalars
         n = 7 * n_arrays + n_scalars
         self.slots = np.zeros(n, dtype=np.int64)
         base = self.slots.ctypes.data
         self.ptrs = np.array([base + 8 * i for i in range(n)], dtype=np.uint64)
         self.params = int(self.ptrs.ctypes.data)
         self.last = [None] * (n_arrays + n_scalars)
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        dev = torch.cuda.current_device()
-        if isinstance(self.handle, driver.CUkernel):
-            err, = driver.cuKernelSetAttribute(attr, max_smem, self.handle, dev)
-        else:
-            err, = driver.cuFuncSetAttribute(self.handle, attr, max_smem)
+        err = _set_max_dynamic_smem(handle, max_smem)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cannot set the shared-memory limit of a SNACK kernel: {err}")
         mt = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
-        if isinstance(self.handle, driver.CUkernel):
-            err, self.max_threads = driver.cuKernelGetAttribute(mt, self.handle, dev)
+        if isinstance(handle, driver.CUkernel):
+            err, self.max_threads = driver.cuKernelGetAttribute(mt, handle, torch.cuda.current_device())
         else:
-            err, self.max_threads = driver.cuFuncGetAttribute(mt, self.handle)
+            err, self.max_threads = driver.cuFuncGetAttribute(mt, handle)
         if err != driver.CUresult.CUDA_SUCCESS:
             self.max_threads = 256
-        self.fn = int(self.handle)
+        self.fn = int(handle)
         self._launch = _libcuda_launch()
 
     def __call__(self, grid, block, smem, arrays, scalars, stream_ptr):
@@ -182,7 +173,6 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
     """
     mode = launch_mode()
     if mode == "sim":
-        from numba import cuda
         nps = [t.numpy() for t in arrays]
         dispatcher[grid, block, 0, smem](*nps, *[np.int64(v) for v in scalars])
         return
@@ -214,17 +204,25 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
 _numba_smem_done = set()
 
 
+def _kernel_handle(dispatcher, sig):
+    """The driver handle (CUkernel or CUfunction) of `dispatcher` compiled for `sig`."""
+    return dispatcher.compile(sig)._codelibrary.get_cufunc().handle
+
+
+def _set_max_dynamic_smem(handle, max_smem: int):
+    """Lets the kernel take up to `max_smem` bytes of dynamic shared memory; returns the CUresult."""
+    from cuda.bindings import driver
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if isinstance(handle, driver.CUkernel):
+        err, = driver.cuKernelSetAttribute(attr, max_smem, handle, torch.cuda.current_device())
+    else:
+        err, = driver.cuFuncSetAttribute(handle, attr, max_smem)
+    return err
+
+
 def _numba_raise_smem(dispatcher, sig, device):
     key = (id(dispatcher), sig)
     if key in _numba_smem_done:
         return
-    from cuda.bindings import driver
-    kern = dispatcher.compile(sig)
-    h = kern._codelibrary.get_cufunc().handle
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    mx = device_properties(device)[1]
-    if isinstance(h, driver.CUkernel):
-        driver.cuKernelSetAttribute(attr, mx, h, torch.cuda.current_device())
-    else:
-        driver.cuFuncSetAttribute(h, attr, mx)
+    _set_max_dynamic_smem(_kernel_handle(dispatcher, sig), device_properties(device)[1])
     _numba_smem_done.add(key)
