@@ -12,7 +12,8 @@ same random pattern and values in every method:
     cusparse   inference only: torch.mm(W_csr, X^T contiguous) (torch.sparse CSR -> cuSPARSE)
 it measures
     train      one step: forward, backward (dX and the weight gradient; x requires grad),
-               Adam step (capturable=True, so the same step can be captured)
+               Adam step (capturable=True, so the same step can be captured; --optimizer
+               adam-fused takes torch's fused Adam kernel, for every method)
     infer      forward under torch.no_grad()
 as eager time (triton.testing.do_bench: median, L2 flushed; what a user's call costs,
 host overhead included), CUDA-graph time (the whole step captured in torch.cuda.graph, replays
@@ -72,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup_ms", type=int, default=25)
     p.add_argument("--rep_ms", type=int, default=200)
     p.add_argument("--energy_seconds", type=float, default=2.0)
+    p.add_argument("--optimizer", default="adam", choices=["adam", "adam-fused"],
+                   help="the training step's optimizer, the same for every method: torch.optim.Adam "
+                        "with its default (foreach) implementation, or fused=True")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small layer, few repeats: a smoke test")
     p.add_argument("--out", default=None, help="CSV path (default results/bench_layer[_cpu].csv)")
@@ -271,6 +275,12 @@ def energy_per_step(g, handle, seconds: float) -> tuple:
     return (e1 - e0) / n, (e1 - e0) / 1e3 / (t1 - t0)
 
 
+def make_adam(model: nn.Module, args, capturable: bool = False) -> torch.optim.Optimizer:
+    """Adam (lr 1e-6) in the implementation --optimizer names: torch's default (foreach) or fused."""
+    return torch.optim.Adam(model.parameters(), lr=1e-6, capturable=capturable,
+                            fused=True if args.optimizer == "adam-fused" else None)
+
+
 def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: torch.Tensor,
             args, nvml) -> Dict[str, object]:
     """Every figure of one (method, phase, B)."""
@@ -288,7 +298,7 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
     model = build(method, ref, dense_w)
     x = torch.randn(B, ref.in_features, device=device, generator=g, requires_grad=phase == "train")
     dy = torch.randn(B, ref.out_features, device=device, generator=g)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-6) if phase == "train" else None
+    opt = make_adam(model, args) if phase == "train" else None
     fn = make_step(model, phase, x, dy, opt)
     for _ in range(2):
         fn()
@@ -302,7 +312,7 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
     if device.type == "cuda":
         if phase == "train":   # a capturable optimizer for the graph (its state on the device)
             del opt
-            opt = torch.optim.Adam(model.parameters(), lr=1e-6, capturable=True)
+            opt = make_adam(model, args, capturable=True)
             fn = make_step(model, phase, x, dy, opt)
         try:
             gr, out = capture(fn)
@@ -375,7 +385,8 @@ def add_ratios(rows: List[dict]) -> None:
 def print_table(rows: List[dict], env: dict, args) -> None:
     print(f"{env['device_name']}  torch {env['torch']}  numba {env['numba']}  triton {env['triton']}  "
           f"commit {env['commit']}  snack backend: {env['snack_backend']}")
-    print(f"layer {args.out_features} x {args.in_features}, sparsity {args.sparsity}, fp32; times in us "
+    print(f"layer {args.out_features} x {args.in_features}, sparsity {args.sparsity}, fp32, optimizer "
+          f"{args.optimizer}; times in us "
           "(eager / graph), peak MB; x = speed-up vs dense / vs Dense+Mask (graph, else eager)")
     print(f"{'phase':6s} {'B':>4s} {'method':10s} {'eager':>9s} {'graph':>9s} {'peak MB':>9s} "
           f"{'mJ/step':>8s} {'x dense':>8s} {'x D+M':>7s} check")

@@ -1,54 +1,116 @@
-"""Sweep of the SNACK kernels' launch parameters (batch tile BT, threads per block) on the GPU.
+"""Sweep of the SNACK kernels' launch parameters on the GPU.
 
-Prints the CUDA-graph replay time (median, us) of forward, dX and SDDMM for each setting at
-4096 x 4096; used to choose the defaults in gpu/ops.py. Usage: python experiments/tune_kernels.py
+For each sparsity and batch size at one shape, times (CUDA-graph replay, median, us) the forward,
+dX and SDDMM of every setting: tiled kernels (batch tile BT x threads per block) and 32-wide
+kernels (column chunks x split x threads), after checking each setting's results against
+float64 dense products. Dense cuBLAS is printed alongside for scale. Used to choose the defaults
+in gpu/ops.py (`choose_tile`, `WIDE_FROM`, `_wide_plan`).
+
+Usage: python experiments/tune_kernels.py [--sparsity 0.9,0.99] [--batch 8,32,128] [--csv out.csv]
 """
 from __future__ import annotations
 
 import argparse
+import csv
 
 import torch
 
 
+def _ints(s):
+    return [None if v in ("auto", "") else int(v) for v in s.split(",")]
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="4096x4096")
-    ap.add_argument("--sparsity", default="0.9,0.99")
+    ap.add_argument("--sparsity", default="0.9,0.95,0.99")
     ap.add_argument("--batch", default="1,8,32,128")
-    ap.add_argument("--bt", default="1,2,4,8,16,32")
-    ap.add_argument("--threads", default="128,256,512,1024")
+    ap.add_argument("--bt", default="1,2,4,8", help="batch tiles of the tiled kernels")
+    ap.add_argument("--threads", default="256,512,1024")
+    ap.add_argument("--chunks", default="auto,4,8", help="column chunks of the wide kernels")
+    ap.add_argument("--split", default="1,2,auto", help="chunk groups per row block (auto: one chunk per block)")
+    ap.add_argument("--wide-from", type=int, default=16, help="smallest B for which wide settings are tried")
+    ap.add_argument("--ops", default="fwd,dx,sddmm")
+    ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
     from triton.testing import do_bench_cudagraph
     import snack.gpu as G
     from snack.core import COO
     n_out, n_in = (int(v) for v in args.shape.split("x"))
-    print(f"{'sp':>5} {'B':>4} {'config':>8} {'thr':>5} {'fwd':>8} {'dX':>8} {'sddmm':>8}")
+    ops = args.ops.split(",")
+    rows = []
+
+    def bench(fn):
+        return do_bench_cudagraph(fn, rep=15, return_mode="median") * 1e3
+
+    print(f"{'sp':>5} {'B':>4} {'config':>16} {'thr':>5} {'fwd':>8} {'dX':>8} {'sddmm':>8}   dense {'':>6}")
     for sp in [float(s) for s in args.sparsity.split(",")]:
         coo = COO.random((n_out, n_in), density=1 - sp, seed=0, device="cuda")
         topo, v = coo.topology, coo.values
+        wd = coo.to_dense().double()
         for B in [int(b) for b in args.batch.split(",")]:
             x = torch.randn(B, n_in, device="cuda")
             dy = torch.randn(B, n_out, device="cuda")
             y = torch.empty(B, n_out, device="cuda")
             dx = torch.empty(B, n_in, device="cuda")
             dv = torch.empty(coo.nnz, device="cuda")
-            configs = [dict(bt=bt, wide=False) for bt in (int(b) for b in args.bt.split(","))
-                       if bt == 1 or bt <= 2 * B]
-            if B >= 8:
-                configs += [dict(wide=True, chunks=ch) for ch in (None, 4, 6)]
+            yref = x.double() @ wd.T
+            dxref = dy.double() @ wd
+            rr, cc = topo.indices[0].long(), topo.indices[1].long()
+            dvref = (dy.double().T @ x.double())[rr, cc]
+            wdf = wd.float()
+            t_dense = bench(lambda: torch.mm(x, wdf.T, out=y))
+            configs = [dict(bt=bt, wide=False) for bt in _ints(args.bt) if bt == 1 or bt <= 2 * B]
+            if B >= args.wide_from:
+                configs += [dict(wide=True, chunks=ch, split=s) for ch in _ints(args.chunks)
+                            for s in _ints(args.split)]
             for cfg in configs:
-                for th in [int(t) for t in args.threads.split(",")]:
-                    res = []
-                    for fn in (lambda: G.spmm(x, topo, v, out=y, threads=th, **cfg),
-                               lambda: G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg),
-                               lambda: G.sddmm(dy, x, topo, out=dv, threads=th, **cfg)):
-                        try:
-                            res.append(do_bench_cudagraph(fn, rep=15, return_mode="median") * 1e3)
-                        except Exception as e:  # noqa: BLE001
-                            print("failed:", cfg, e)
-                            res.append(float("nan"))
-                    name = f"bt{cfg['bt']}" if not cfg["wide"] else f"wide/{cfg['chunks'] or 'auto'}"
-                    print(f"{sp:5} {B:4} {name:>8} {th:5} {res[0]:8.2f} {res[1]:8.2f} {res[2]:8.2f}", flush=True)
+                sd_cfg = {k: v for k, v in cfg.items() if k != "split"}
+                for th in _ints(args.threads):
+                    res = {}
+                    try:
+                        y.fill_(float("nan"))
+                        dx.fill_(float("nan"))
+                        G.spmm(x, topo, v, out=y, threads=th, **cfg)
+                        G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg)
+                        checks = [("fwd", y, yref), ("dx", dx, dxref)]
+                        if "sddmm" in ops:
+                            dv.fill_(float("nan"))
+                            G.sddmm(dy, x, topo, out=dv, threads=th, **sd_cfg)
+                            checks.append(("sddmm", dv, dvref))
+                        for name, got, ref in checks:
+                            err = ((got.double() - ref).norm() / ref.norm()).item()
+                            if not err < 1e-5:
+                                raise AssertionError(f"{name} relative error {err}")
+                        fns = {"fwd": lambda: G.spmm(x, topo, v, out=y, threads=th, **cfg),
+                               "dx": lambda: G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg),
+                               "sddmm": lambda: G.sddmm(dy, x, topo, out=dv, threads=th, **sd_cfg)}
+                        for op in ops:
+                            res[op] = bench(fns[op])
+                    except Exception as e:  # noqa: BLE001
+                        print("failed:", cfg, th, repr(e)[:200])
+                        continue
+                    if cfg["wide"]:
+                        name = f"wide c{cfg['chunks'] or 'a'} s{cfg['split'] or 'a'}"
+                    else:
+                        name = f"bt{cfg['bt']}"
+                    rows.append(dict(sparsity=sp, batch=B, config=name, threads=th, dense=t_dense, **res))
+                    print(f"{sp:5} {B:4} {name:>16} {th:5} " + " ".join(f"{res.get(o, float('nan')):8.2f}"
+                          for o in ("fwd", "dx", "sddmm")) + f"   {t_dense:8.2f}", flush=True)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}, key=list(rows[0]).index))
+            w.writeheader()
+            w.writerows(rows)
+    # best setting per point
+    print("\nbest forward per point:")
+    best = {}
+    for r in rows:
+        k = (r["sparsity"], r["batch"])
+        if "fwd" in r and (k not in best or r["fwd"] < best[k]["fwd"]):
+            best[k] = r
+    for (sp, B), r in sorted(best.items()):
+        print(f"{sp:5} {B:4} {r['config']:>16} {r['threads']:5} {r['fwd']:8.2f}  ({r['dense'] / r['fwd']:.2f}x dense)")
 
 
 if __name__ == "__main__":

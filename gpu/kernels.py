@@ -31,10 +31,16 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32, int16, int32, uint32
+from numba import config, cuda, float32, int16, int32, uint32
 from numba.types import float16
 
 FULL_MASK = 0xFFFFFFFF
+_SIM = config.ENABLE_CUDASIM
+
+
+def _jit(fn, **opts):
+    """cuda.jit with compile options (e.g. launch bounds) that the simulator does not take."""
+    return cuda.jit(fn) if _SIM else cuda.jit(fn, **opts)
 KINDS = {0: "float32", 1: "float16", 2: "bfloat16"}
 BATCH_TILES = (1, 2, 4, 8, 16, 32)
 
@@ -299,60 +305,94 @@ def make_sddmm_kernel(bt: int, kind: int):
 #
 # For B >= 16 the BT <= 8 kernels above read shared memory with bank conflicts (groups of a
 # warp hit random banks) and stream W once per 8 batch columns. Here a block stages a chunk of
-# `cw` columns of X for 32 batch columns, xs[cl * 32 + (j ^ (cl & 7))] = X[b0 + j, c0 + cl]
-# (the xor swizzle makes the staging stores conflict-free), and a warp splits into 4 groups of
-# 8 lanes; lane (g, jj) covers batch columns 8 * ((g + q) & 3) + jj for q = 0..3, so at every
-# step the 4 groups read 4 different 8-bank windows: conflict-free, 32 products per read.
+# `cw` columns of X for 32 batch columns as 128-byte rows, one per column, made of eight 16-byte
+# chunks (batch columns 4K..4K+3), chunk K stored at position K ^ (column & 7) so that the
+# staging stores are conflict-free. A warp splits into 4 groups of 8 lanes; at each step group g
+# takes one non-zero and lane k of the group reads chunk k of that non-zero's column (one
+# 16-byte read; the 8 lanes of a quarter-warp read one whole row: conflict-free), 128 products
+# per warp instruction.
 # The CSR order is kept: the non-zeros of row r in chunk ch are the contiguous range
 # seg[r * nch + ch] .. seg[r * nch + ch + 1] (canonical order is column-sorted within a row).
-# With several chunks, partial rows are added into a zeroed fp32 output with atomics.
+# A block consumes one or several chunks; when the chunks of a row are split over several
+# blocks, partial rows are added into a zeroed fp32 output with atomics.
 # ---------------------------------------------------------------------------------------------
 WIDE = 32
 
 
 @cuda.jit(device=True, inline=True)
-def _windows(g):
-    """First batch column of the 8-column window that group g reads at steps q = 0..3."""
-    return ((g + 0) & 3) * 8, ((g + 1) & 3) * 8, ((g + 2) & 3) * 8, ((g + 3) & 3) * 8
+def _quad_row(c):
+    """Offset of column c's row in the staged chunk with its swizzle bits: c * 32 | (c & 7) * 4.
+    Lane k of a group reads its 16-byte chunk k ^ (c & 7) at offset _quad_row(c) ^ 4k."""
+    return int32((c << 5) | ((c & 7) << 2))
 
 
-def _make_stage_wide(ld):
+@cuda.jit(device=True, inline=True)
+def _quad_step(xs, qa, va, src, k4, a0, a1, a2, a3):
+    """Group g takes the non-zero (row offset qa, value va) held by lane `src` and adds its
+    products with this lane's 4 batch columns 4k..4k+3 (one 16-byte shared-memory read)."""
+    q = cuda.shfl_sync(FULL_MASK, qa, src)
+    v = cuda.shfl_sync(FULL_MASK, va, src)
+    p = uint32((q ^ k4) & -4)  # a multiple of 4 (16-byte aligned): one vector read
+    return (a0 + v * xs[p], a1 + v * xs[p + 1], a2 + v * xs[p + 2], a3 + v * xs[p + 3])
+
+
+def _make_stage_quad(ld):
     @cuda.jit(device=True, inline=True)
     def stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads):
-        """xs[cl * 32 + (j ^ (cl & 7))] = X[b0 + j, c0 + cl] for cl < width (0 past the batch).
+        """xs[cl * 32 + 4 * ((j >> 2) ^ (cl & 7)) + (j & 3)] = X[b0 + j, c0 + cl] (0 past the batch).
 
-        A warp instruction covers 8 consecutive columns x 4 batch rows (4 full 32-byte sectors
-        read, 32 distinct banks written). Fast path (whole batch tile): 8 items are loaded into
-        `buf` (registers) with no per-element test before they are stored; then a checked tail.
+        The 16-byte chunk of batch columns 4K..4K+3 of column cl sits at chunk K ^ (cl & 7):
+        lane (r, u) of a warp takes column 8 * m + u of batch rows 4K + r, K = 0..7, so each warp
+        instruction reads 4 rows x 8 consecutive columns (4 full 32-byte sectors) and writes 32
+        distinct banks; a reader taking the 8 chunks of one column hits 8 distinct bank quads.
+        Each thread has its 8 (fast path: 16) loads in flight before it stores them.
         """
         lane = tid & 31
         warp = tid >> 5
         nwarps = nthreads >> 5
-        jb = lane >> 3
-        cli = lane & 7
-        n_items = ((width + 7) >> 3) * 8
-        item = warp
-        if b0 + WIDE <= batch:
-            # fast path: whole batch tile, 8 complete column groups per round, no tests
-            n_full = (width >> 3) * 8
-            while item + 7 * nwarps < n_full:
-                for u in range(8):
-                    it = item + u * nwarps
-                    buf[u] = ld(x, (b0 + jb * 8 + (it & 7)) * n_cols + c0 + (it >> 3) * 8 + cli)
-                for u in range(8):
-                    it = item + u * nwarps
-                    cl = (it >> 3) * 8 + cli
-                    xs[cl * 32 + ((jb * 8 + (it & 7)) ^ (cl & 7))] = buf[u]
-                item += 8 * nwarps
-        while item < n_items:
-            cl = (item >> 3) * 8 + cli
-            j = jb * 8 + (item & 7)
-            if cl < width:
+        r = lane >> 3
+        u = lane & 7
+        cl = int32(warp * 8 + u)
+        w32 = int32(width)
+        step = int32(nwarps * 8)
+        nb = batch - b0  # valid rows in this tile
+        rs = int32(4 * n_cols)
+        src = int32(b0 + r) * int32(n_cols) + int32(c0) + cl
+        dst = (cl << 5) | r
+        if nb >= WIDE:
+            # fast path: whole batch tile, whole column groups: no per-element test; two
+            # column groups per round (16 loads in flight), then one
+            while cl - u + step + 8 <= w32:
+                for kk in range(8):
+                    buf[kk] = ld(x, uint32(src + int32(kk) * rs))
+                    buf[kk + 8] = ld(x, uint32(src + step + int32(kk) * rs))
+                for kk in range(8):
+                    xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
+                    xs[uint32((dst + (step << 5)) | ((kk ^ u) << 2))] = buf[kk + 8]
+                cl = int32(cl + 2 * step)
+                src = int32(src + 2 * step)
+                dst = int32(dst + (step << 6))
+            if cl - u + 8 <= w32:
+                for kk in range(8):
+                    buf[kk] = ld(x, uint32(src + int32(kk) * rs))
+                for kk in range(8):
+                    xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
+                cl = int32(cl + step)
+                src = int32(src + step)
+                dst = int32(dst + (step << 5))
+        while cl - u < w32:
+            inc = cl < w32
+            for kk in range(8):
                 v = float32(0.0)
-                if b0 + j < batch:
-                    v = ld(x, (b0 + j) * n_cols + c0 + cl)
-                xs[cl * 32 + (j ^ (cl & 7))] = v
-            item += nwarps
+                if inc and 4 * kk + r < nb:
+                    v = ld(x, uint32(src + int32(kk) * rs))
+                buf[kk] = v
+            if inc:
+                for kk in range(8):
+                    xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
+            cl = int32(cl + step)
+            src = int32(src + step)
+            dst = int32(dst + (step << 5))
     return stage
 
 
@@ -360,42 +400,51 @@ def _make_stage_wide(ld):
 def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
     """Y = X W^T for 32-column batch tiles and column chunks (see the comment above).
 
-    Signature: (x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw, rows_per_block).
+    Signature: (x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw, rows_per_block, cps).
     x (B, n_cols); seg int32 (n_rows * nch + 1,); idx int32 (nnz,) global column of each entry;
     val (nnz,), read through perm when has_perm; y (B, n_rows): with `atomic` an fp32 buffer
     that must be zero (partial sums are added), else written once per element.
-    Launch: grid (nch * n_batch_tiles, ceil(n_rows / rows_per_block)), dynamic shared memory
-    (cw * 32 + rows_per_block * 33) * 4 bytes. Each block owns rows_per_block consecutive rows,
-    keeps their outputs in shared memory and writes them at the end, consecutive threads on
-    consecutive rows (coalesced; with `atomic`, one coalesced atomic add per element).
+    Launch: grid (nsplit * n_batch_tiles, ceil(n_rows / rows_per_block)) with
+    nsplit = ceil(nch / cps) (`atomic` iff nsplit > 1), dynamic shared memory
+    (cw * 32 + rows_per_block * 33) * 4 bytes. A block owns rows_per_block consecutive rows and
+    cps consecutive column chunks, which it stages and consumes in turn; the rows' partial
+    outputs add up in a shared-memory tile that is written once at the end, consecutive threads
+    on consecutive rows (coalesced; with `atomic`, one coalesced atomic add per element).
+    A warp step takes 4 non-zeros of a row segment, one per group of 8 lanes (one shuffle of
+    the column and one of the value serve all 4 groups); lane k of a group reads batch columns
+    4k..4k+3 of its non-zero's column in one 16-byte shared-memory read (conflict-free: the 8
+    lanes read the 8 chunks of one 128-byte row). A step stops at the segment's end.
     """
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
     HAS_PERM = has_perm
     ATOMIC = atomic
-    stage = _make_stage_wide(ld)
+    stage = _make_stage_quad(ld)
 
     @cuda.jit(device=True, inline=True)
-    def load_nz(idx, val, perm, k, end, cdef):
-        c = cdef
+    def load_nz(idx, val, perm, k, end, c0):
+        """(row offset of column - c0 in the staged chunk, value) of entry k, (0, 0) past the end."""
+        c = int32(0)
         v = float32(0.0)
         if k < end:
-            c = idx[k]
+            c = _quad_row(int32(idx[uint32(k)] - c0))
             if HAS_PERM:
-                v = ld(val, perm[k])
+                v = ld(val, uint32(perm[uint32(k)]))
             else:
-                v = ld(val, k)
+                v = ld(val, uint32(k))
         return c, v
 
-    def spmm_wide(x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw, rows_per_block):
-        xs = cuda.shared.array(0, dtype=float32)
-        buf = cuda.local.array(8, dtype=float32)
+    def spmm_wide(x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw, rows_per_block, cps):
+        xs = cuda.shared.array(0, dtype=float32, alignment=16)
+        buf = cuda.local.array(16, dtype=float32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
-        ch = cuda.blockIdx.x % nch
-        b0 = (cuda.blockIdx.x // nch) * WIDE
-        c0 = ch * cw
-        width = min(cw, n_cols - c0)
+        nsplit = (int32(nch) + int32(cps) - 1) // int32(cps)
+        bx = int32(cuda.blockIdx.x)
+        tile = bx // nsplit
+        ch0 = (bx - tile * nsplit) * int32(cps)
+        ch1 = min(ch0 + int32(cps), int32(nch))
+        b0 = tile * WIDE
         r0 = cuda.blockIdx.y * rows_per_block
         r1 = min(r0 + rows_per_block, n_rows)
         ybase = cw * 32  # the block's output tile ybuf[(r - r0) * 33 + col] follows xs
@@ -403,83 +452,98 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
         while e < rows_per_block * 33:
             xs[ybase + e] = float32(0.0)
             e += nthreads
-        stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
-        cuda.syncthreads()
 
         lane = tid & 31
         g = lane >> 3
-        jj = lane & 7
-        w0, w1, w2, w3 = _windows(g)
+        k4 = (lane & 7) << 2
+        hi8 = (lane & 8) != 0
+        hi16 = (lane & 16) != 0
         nwarps = nthreads >> 5
-        r = r0 + (tid >> 5)
-        while r < r1:
-            s0 = seg[r * nch + ch]
-            s1 = seg[r * nch + ch + 1]
-            if s0 == s1:
-                r += nwarps
-                continue
-            a0 = float32(0.0)
-            a1 = float32(0.0)
-            a2 = float32(0.0)
-            a3 = float32(0.0)
+        for ch in range(ch0, ch1):
+            c0 = ch * cw
+            width = min(cw, n_cols - c0)
+            if ch > ch0:
+                cuda.syncthreads()  # the previous chunk is consumed
+            stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
+            cuda.syncthreads()
+            # rows are software-pipelined: the next row's segment bounds and first 32
+            # non-zeros are requested while the current row is processed
+            r = r0 + (tid >> 5)
+            s0 = int32(0)
+            s1 = int32(0)
+            if r < r1:
+                s0 = seg[uint32(r * nch + ch)]
+                s1 = seg[uint32(r * nch + ch + 1)]
             ca, va = load_nz(idx, val, perm, s0 + lane, s1, c0)
-            cb, vb = load_nz(idx, val, perm, s0 + 32 + lane, s1, c0)
-            base = s0
-            while base < s1:
-                nb = base + 64
-                na, nva = load_nz(idx, val, perm, nb + lane, s1, c0)
-                nbb, nvb = load_nz(idx, val, perm, nb + 32 + lane, s1, c0)
-                for t in range(0, 32, 4):
-                    c = cuda.shfl_sync(FULL_MASK, ca, t + g) - c0
-                    v = cuda.shfl_sync(FULL_MASK, va, t + g)
-                    cc = cuda.shfl_sync(FULL_MASK, cb, t + g) - c0
-                    vv = cuda.shfl_sync(FULL_MASK, vb, t + g)
-                    p = c * 32 + (jj ^ (c & 7))
-                    pp = cc * 32 + (jj ^ (cc & 7))
-                    a0 += v * xs[p + w0] + vv * xs[pp + w0]
-                    a1 += v * xs[p + w1] + vv * xs[pp + w1]
-                    a2 += v * xs[p + w2] + vv * xs[pp + w2]
-                    a3 += v * xs[p + w3] + vv * xs[pp + w3]
-                ca = na
-                va = nva
-                cb = nbb
-                vb = nvb
-                base = nb
-            # window w = (g + q) & 3 is in a_q; sum each window over the 4 groups
-            mine = float32(0.0)
-            for w in range(4):
-                q = (w - g) & 3
-                sw = a3
-                if q == 0:
-                    sw = a0
-                elif q == 1:
-                    sw = a1
-                elif q == 2:
-                    sw = a2
-                sw += cuda.shfl_xor_sync(FULL_MASK, sw, 8)
-                sw += cuda.shfl_xor_sync(FULL_MASK, sw, 16)
-                if w == g:
-                    mine = sw
-            xs[ybase + (r - r0) * 33 + g * 8 + jj] = mine
-            r += nwarps
+            while r < r1:
+                rn = r + nwarps
+                ns0 = int32(0)
+                ns1 = int32(0)
+                if rn < r1:
+                    ns0 = seg[uint32(rn * nch + ch)]
+                    ns1 = seg[uint32(rn * nch + ch + 1)]
+                a0 = float32(0.0)
+                a1 = float32(0.0)
+                a2 = float32(0.0)
+                a3 = float32(0.0)
+                base = s0
+                while base < s1:
+                    cn, vn = load_nz(idx, val, perm, base + 32 + lane, s1, c0)
+                    left = int32(s1 - base)
+                    if left >= 32:  # whole step: no per-step test
+                        for t in range(0, 32, 4):
+                            a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
+                    else:
+                        t = int32(0)
+                        while t < left:
+                            a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
+                            t = int32(t + 4)
+                    ca = cn
+                    va = vn
+                    base += 32
+                ca, va = load_nz(idx, val, perm, ns0 + lane, ns1, c0)
+                if s0 < s1:
+                    # sum over the 4 groups (transposing: each lane ends with one batch column,
+                    # 4k + 2 * bit3 + bit4 of its lane)
+                    s0k = a2 if hi8 else a0
+                    s0s = a0 if hi8 else a2
+                    s1k = a3 if hi8 else a1
+                    s1s = a1 if hi8 else a3
+                    s0k += cuda.shfl_xor_sync(FULL_MASK, s0s, 8)
+                    s1k += cuda.shfl_xor_sync(FULL_MASK, s1s, 8)
+                    tk = s1k if hi16 else s0k
+                    ts = s0k if hi16 else s1k
+                    tk += cuda.shfl_xor_sync(FULL_MASK, ts, 16)
+                    col = k4 + (2 if hi8 else 0) + (1 if hi16 else 0)
+                    xs[uint32(ybase + (r - r0) * 33 + col)] += tk
+                s0 = ns0
+                s1 = ns1
+                r = rn
         cuda.syncthreads()
-        # flush the output tile: consecutive threads take consecutive rows (coalesced)
-        nr = r1 - r0
-        e = tid
-        while e < nr * WIDE:
-            col = e // nr
-            rr = e - col * nr
-            b = b0 + col
-            if b < batch:
-                v = xs[ybase + rr * 33 + col]
-                if ATOMIC:
-                    cuda.atomic.add(y, b * n_rows + r0 + rr, v)
-                else:
-                    y[b * n_rows + r0 + rr] = cv(v)
-            e += nthreads
+        # flush the output tile: consecutive threads take consecutive rows (coalesced); thread
+        # tid starts at (col, rr) = divmod(tid, nr) and advances by divmod(nthreads, nr)
+        nr = int32(r1 - r0)
+        nt = int32(nthreads)
+        col = int32(tid) // nr
+        rr = int32(tid) - col * nr
+        dcol = nt // nr
+        drr = nt - dcol * nr
+        ncol = min(int32(WIDE), int32(batch - b0))
+        while col < ncol:
+            v = xs[uint32(ybase + rr * 33 + col)]
+            o = uint32((b0 + col) * n_rows + r0 + rr)
+            if ATOMIC:
+                cuda.atomic.add(y, o, v)
+            else:
+                y[o] = cv(v)
+            col = int32(col + dcol)
+            rr = int32(rr + drr)
+            if rr >= nr:
+                rr = int32(rr - nr)
+                col = int32(col + 1)
 
     spmm_wide.__name__ = f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}{'_atomic' if atomic else ''}"
-    return cuda.jit(spmm_wide)
+    return _jit(spmm_wide, launch_bounds=(1024,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -488,19 +552,21 @@ def make_sddmm_wide_kernel(kind: int):
 
     Signature: (x, dy, seg, idx, dv, dvacc, n_rows, n_cols, batch, nch, cw); dvacc fp32 (nnz,)
     scratch when B > 32. Launch: grid (nch, n_row_blocks), shared memory cw * 32 * 4 bytes.
-    A warp takes 32 non-zeros at a time; group g multiplies non-zeros 8g .. 8g + 7 over its
-    lanes' 4 x 8 batch columns (conflict-free reads as in the SpMM), then a transposing
-    butterfly (7 shuffles for 8 sums) leaves the total of non-zero base + lane in lane `lane`.
+    X is staged as in the wide SpMM (16-byte chunks, swizzled). A warp takes 32 non-zeros of a
+    row segment at a time in 8 steps; at step i group g takes non-zero 4i + g and lane k of the
+    group multiplies batch columns 4k..4k+3 (one 16-byte read) with dY[4k..4k+3, r] (kept in
+    registers for the row); a transposing butterfly over the group's 8 lanes (7 shuffles for
+    8 sums) then leaves the total of non-zero 4 * (lane & 7) + g in lane `lane`.
     Batch tiles are visited in turn by the same block (same thread, same entry: no atomics).
     """
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
-    stage = _make_stage_wide(ld)
+    stage = _make_stage_quad(ld)
 
     def sddmm_wide(x, dy, seg, idx, dv, dvacc, n_rows, n_cols, batch, nch, cw):
-        xs = cuda.shared.array(0, dtype=float32)
+        xs = cuda.shared.array(0, dtype=float32, alignment=16)
         p = cuda.local.array(8, dtype=float32)
-        buf = cuda.local.array(8, dtype=float32)
+        buf = cuda.local.array(16, dtype=float32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         ch = cuda.blockIdx.x
@@ -508,10 +574,12 @@ def make_sddmm_wide_kernel(kind: int):
         width = min(cw, n_cols - c0)
         lane = tid & 31
         g = lane >> 3
-        jj = lane & 7
-        w0, w1, w2, w3 = _windows(g)
+        kq = lane & 7
+        k4 = kq << 2
         nwarps = nthreads >> 5
         ntiles = (batch + WIDE - 1) // WIDE
+        # after the butterfly, lane (g, kq) holds the sum of step i = kq: non-zero 4 * kq + g
+        kme = 4 * kq + g
         for tile in range(ntiles):
             b0 = tile * WIDE
             if tile > 0:
@@ -523,69 +591,68 @@ def make_sddmm_wide_kernel(kind: int):
             r = cuda.blockIdx.y * nwarps + (tid >> 5)
             rstride = cuda.gridDim.y * nwarps
             while r < n_rows:
-                s0 = seg[r * nch + ch]
-                s1 = seg[r * nch + ch + 1]
+                s0 = seg[uint32(r * nch + ch)]
+                s1 = seg[uint32(r * nch + ch + 1)]
                 if s0 == s1:
                     r += rstride
                     continue
-                # dY[b, r] for this lane's 4 batch columns
+                # dY[b0 + 4k + i, r] for this lane's 4 batch columns
                 d0 = float32(0.0)
                 d1 = float32(0.0)
                 d2 = float32(0.0)
                 d3 = float32(0.0)
-                if b0 + w0 + jj < batch:
-                    d0 = ld(dy, (b0 + w0 + jj) * n_rows + r)
-                if b0 + w1 + jj < batch:
-                    d1 = ld(dy, (b0 + w1 + jj) * n_rows + r)
-                if b0 + w2 + jj < batch:
-                    d2 = ld(dy, (b0 + w2 + jj) * n_rows + r)
-                if b0 + w3 + jj < batch:
-                    d3 = ld(dy, (b0 + w3 + jj) * n_rows + r)
+                bb = b0 + k4
+                if bb < batch:
+                    d0 = ld(dy, uint32(bb * n_rows + r))
+                if bb + 1 < batch:
+                    d1 = ld(dy, uint32((bb + 1) * n_rows + r))
+                if bb + 2 < batch:
+                    d2 = ld(dy, uint32((bb + 2) * n_rows + r))
+                if bb + 3 < batch:
+                    d3 = ld(dy, uint32((bb + 3) * n_rows + r))
                 base = s0
-                k = base + lane
-                cl = c0
-                if k < s1:
-                    cl = idx[k]
+                cl = int32(0)
+                if base + lane < s1:
+                    cl = _quad_row(int32(idx[uint32(base + lane)] - c0))
                 while base < s1:
                     kn = base + 32 + lane
-                    cn = c0
+                    cn = int32(0)
                     if kn < s1:
-                        cn = idx[kn]
+                        cn = _quad_row(int32(idx[uint32(kn)] - c0))
                     for i in range(8):
-                        c = cuda.shfl_sync(FULL_MASK, cl, g * 8 + i) - c0
-                        q = c * 32 + (jj ^ (c & 7))
-                        p[i] = d0 * xs[q + w0] + d1 * xs[q + w1] + d2 * xs[q + w2] + d3 * xs[q + w3]
+                        q = uint32((cuda.shfl_sync(FULL_MASK, cl, 4 * i + g) ^ k4) & -4)
+                        p[i] = d0 * xs[q] + d1 * xs[q + 1] + d2 * xs[q + 2] + d3 * xs[q + 3]
                     # transposing butterfly over the group's 8 lanes (branch-free: every lane
-                    # takes part in every shuffle)
-                    up4 = (jj & 4) != 0
+                    # takes part in every shuffle); lane kq ends with the sum of step kq
+                    up4 = (kq & 4) != 0
                     for i in range(4):
                         lo = p[i]
                         hi = p[i + 4]
                         keep = hi if up4 else lo
                         send = lo if up4 else hi
                         p[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, 4)
-                    up2 = (jj & 2) != 0
+                    up2 = (kq & 2) != 0
                     for i in range(2):
                         lo = p[i]
                         hi = p[i + 2]
                         keep = hi if up2 else lo
                         send = lo if up2 else hi
                         p[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, 2)
-                    up1 = (jj & 1) != 0
+                    up1 = (kq & 1) != 0
                     keep = p[1] if up1 else p[0]
                     send = p[0] if up1 else p[1]
                     tot = keep + cuda.shfl_xor_sync(FULL_MASK, send, 1)
+                    k = base + kme
                     if k < s1:
                         if not first:
-                            tot += dvacc[k]
+                            tot += dvacc[uint32(k)]
                         if last:
-                            dv[k] = cv(tot)
+                            dv[uint32(k)] = cv(tot)
                         else:
-                            dvacc[k] = tot
+                            dvacc[uint32(k)] = tot
                     base += 32
-                    k = kn
                     cl = cn
                 r += rstride
 
     sddmm_wide.__name__ = f"snack_sddmm_wide_{KINDS[kind]}"
-    return cuda.jit(sddmm_wide)
+    return _jit(sddmm_wide, launch_bounds=(1024,))

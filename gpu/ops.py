@@ -13,8 +13,10 @@ Variant choice: the batch tile BT is the smallest power of two >= B, at most 8 (
 bytes) must fit the block's limit (227 KB on H100/H200), else BT is halved; if even BT = 1
 does not fit (in > ~58000) the op falls back to torch index ops. Blocks own a batch tile and a
 range of rows; the grid is sized to fill every SM once. The 32-wide kernels (column chunks,
-conflict-free shared-memory reads) are taken where they measured faster (`WIDE_FROM`: the SDDMM
-from B = 32) or when asked (`wide=True`, `chunks=`).
+conflict-free 16-byte shared-memory reads, one block per chunk with atomics across chunks by
+default) are taken where they measured faster (`WIDE_FROM`, `WIDE_DENSITY`: the SpMMs from
+B = 32 at >= 3 % density and from B = 96 at any; the SDDMM from B = 16 at >= 3 % and from B = 32)
+or when asked (`wide=True`, `chunks=`, `split=`).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from snack.core.coo import Topology
 from . import kernels
 from .launch import as_kernel_array, device_properties, launch, launch_mode
 
-__all__ = ["spmm", "spmm_t", "sddmm", "choose_tile", "wide_chunks", "WIDE_FROM"]
+__all__ = ["spmm", "spmm_t", "sddmm", "choose_tile", "wide_chunks", "WIDE_FROM", "WIDE_DENSITY"]
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _THREADS = 32 if launch_mode() == "sim" else 1024  # the simulator runs one OS thread per CUDA thread
@@ -109,6 +111,28 @@ def wide_chunks(n_cols: int, device, chunks: Optional[int] = None):
     return nch, cw, cw * kernels.WIDE * 4
 
 
+def _wide_plan(n_rows, n_cols, batch, device, threads, chunks=None, split=None):
+    """Launch plan of the wide SpMM: (nch, cw, cps, nsplit, grid rows, rows per block, shared
+    memory bytes), or None when a chunk does not fit. The columns are cut into nch chunks of cw;
+    `split` groups of chunks go to different blocks (partial rows added with atomics), each
+    block consuming its cps = ceil(nch / split) chunks in turn."""
+    nch, cw, smem = wide_chunks(n_cols, device, chunks)
+    max_smem = device_properties(device)[1]
+    if smem > max_smem:
+        return None
+    nsplit = nch if split is None else max(1, min(int(split), nch))
+    cps = -(-nch // nsplit)
+    nsplit = -(-nch // cps)
+    ntiles = -(-batch // kernels.WIDE)
+    gy = _grid_rows(n_rows, nsplit * ntiles, smem, device, threads)
+    rpb = -(-n_rows // gy)
+    while smem + rpb * 33 * 4 > max_smem:
+        gy += 1
+        rpb = -(-n_rows // gy)
+    gy = -(-n_rows // rpb)
+    return nch, cw, cps, nsplit, gy, rpb, smem + rpb * 33 * 4
+
+
 def _seg(topo: Topology, transposed: bool, nch: int, cw: int) -> torch.Tensor:
     """int32 (n_rows * nch + 1,): start of each (row, column chunk) run in the op's CSR order."""
     key = ("seg", transposed, nch, cw)
@@ -143,21 +167,25 @@ def _dummy_int(device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-# Batch size from which the 32-wide kernels are used by default. Measured on the H200
-# (4096 x 4096, results/bench_kernels.csv, experiments/tune_kernels.py): the BT = 8 kernels win
-# the SpMMs at every B and sparsity tried (e.g. forward at 90 %, B = 32: 43 vs 48 us), the wide
-# SDDMM wins from B = 32 at 90 % (46 vs 56 us) and ties at 99 %.
-WIDE_FROM = {"spmm": None, "spmm_t": None, "sddmm": 32}
+# When the 32-wide kernels are used by default: {op: (B from which they are used when rows hold
+# at least WIDE_DENSITY of the columns, B from which they are used at any density)}. Measured on
+# the H200 (4096 x 4096, experiments/tune_kernels.py): forward at B = 32, 90 %: 23 us wide vs
+# 40 us tiled, 99 %: 14 vs 11; at B = 128, 99 %: 26 vs 31. SDDMM at B = 16, 90 %: 22 vs 24,
+# 99 %: 12 vs 10.5; from B = 32 the wide SDDMM wins at every sparsity (99 %: 13 vs 20).
+WIDE_FROM = {"spmm": (32, 96), "spmm_t": (32, 96), "sddmm": (16, 32)}
+WIDE_DENSITY = 0.03
 
 
-def _use_wide(batch: int, wide: Optional[bool], op: str = "spmm") -> bool:
+def _use_wide(batch: int, wide: Optional[bool], op: str, topo: Topology) -> bool:
     if wide is not None:
         return bool(wide)
-    start = WIDE_FROM[op]
-    return start is not None and batch >= start
+    dense_from, any_from = WIDE_FROM[op]
+    n_rows, n_cols = topo.shape
+    density = topo.nnz / max(1, n_rows * n_cols)
+    return batch >= any_from or (batch >= dense_from and density >= WIDE_DENSITY)
 
 
-def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks):
+def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks, split):
     """Launches the SpMM on the CSR order (transposed: the CSC order) of topo into y."""
     batch = x.shape[0]
     if transposed:
@@ -167,27 +195,21 @@ def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks):
         n_rows, n_cols = topo.shape
         ptr, idx, perm = topo.row_ptr, topo.indices[1], None
     kind = _KIND[x.dtype]
-    if _use_wide(batch, wide, "spmm_t" if transposed else "spmm"):
-        nch, cw, smem = wide_chunks(n_cols, x.device, chunks)
-        if smem <= device_properties(x.device)[1]:
-            atomic = nch > 1
+    if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo):
+        plan = _wide_plan(n_rows, n_cols, batch, x.device, threads, chunks, split)
+        if plan is not None:
+            nch, cw, cps, nsplit, gy, rpb, smem = plan
+            atomic = nsplit > 1
             target = y
             if atomic:
                 target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=y.device)
                 target.zero_()
             ntiles = -(-batch // kernels.WIDE)
-            max_smem = device_properties(x.device)[1]
-            gy = _grid_rows(n_rows, nch * ntiles, smem, x.device, threads)
-            rpb = -(-n_rows // gy)
-            while smem + rpb * 33 * 4 > max_smem:
-                gy += 1
-                rpb = -(-n_rows // gy)
-            gy = -(-n_rows // rpb)
             kern = kernels.make_spmm_wide_kernel(kind, perm is not None, atomic)
-            launch(kern, (nch * ntiles, gy), threads, smem + rpb * 33 * 4,
+            launch(kern, (nsplit * ntiles, gy), threads, smem,
                    [as_kernel_array(x), _seg(topo, transposed, nch, cw), idx, as_kernel_array(values),
                     perm if perm is not None else ptr, as_kernel_array(target)],
-                   [n_rows, n_cols, batch, nch, cw, rpb], x.device)
+                   [n_rows, n_cols, batch, nch, cw, rpb, cps], x.device)
             if target is not y:
                 y.copy_(target)
             return True
@@ -203,7 +225,16 @@ def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks):
     return True
 
 
-def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks):
+# The kernels index the dense operands with 32-bit offsets: larger batches go in slices.
+MAX_ELEMENTS = 2 ** 31 - 1
+
+
+def _batch_slices(batch: int, width: int):
+    step = max(1, MAX_ELEMENTS // max(1, width))
+    return [(b, min(batch, b + step)) for b in range(0, batch, step)]
+
+
+def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, split):
     """Shared body of spmm (a = x, W) and spmm_t (a = dy, W^T): validate, allocate, launch."""
     _check_common(name, a, topo)
     n_out, n_in = topo.shape
@@ -218,25 +249,27 @@ def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks):
         return res.zero_()
     a = a.contiguous()
     values = values.contiguous()
-    if not _run_spmm(a, topo, transposed, values, res, bt, threads, wide, chunks):
-        from snack.core import reference
-        ref = reference.spmm_t_reference if transposed else reference.spmm_reference
-        res.copy_(ref(a.float(), topo.indices, values.float(), n_res))
+    for b0, b1 in _batch_slices(a.shape[0], max(n_a, n_res)):
+        sa, sr = a[b0:b1], res[b0:b1]
+        if not _run_spmm(sa, topo, transposed, values, sr, bt, threads, wide, chunks, split):
+            from snack.core import reference
+            ref = reference.spmm_t_reference if transposed else reference.spmm_reference
+            sr.copy_(ref(sa.float(), topo.indices, values.float(), n_res))
     return res
 
 
 def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
          *, bt: Optional[int] = None, threads: int = _THREADS, wide: Optional[bool] = None,
-         chunks: Optional[int] = None) -> torch.Tensor:
+         chunks: Optional[int] = None, split: Optional[int] = None) -> torch.Tensor:
     """Y (B, out_features) = X W^T on the GPU; see the module docstring."""
-    return _spmm_op("x", x, topo, values, out, False, bt, threads, wide, chunks)
+    return _spmm_op("x", x, topo, values, out, False, bt, threads, wide, chunks, split)
 
 
 def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
            *, bt: Optional[int] = None, threads: int = _THREADS, wide: Optional[bool] = None,
-           chunks: Optional[int] = None) -> torch.Tensor:
+           chunks: Optional[int] = None, split: Optional[int] = None) -> torch.Tensor:
     """dX (B, in_features) = dY W on the GPU; see the module docstring."""
-    return _spmm_op("dy", dy, topo, values, out, True, bt, threads, wide, chunks)
+    return _spmm_op("dy", dy, topo, values, out, True, bt, threads, wide, chunks, split)
 
 
 def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch.Tensor] = None,
@@ -262,8 +295,16 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         return dv.zero_()
     x = x.contiguous()
     dy = dy.contiguous()
+    slices = _batch_slices(batch, max(n_in, n_out))
+    if len(slices) > 1:  # sum of per-slice results, in fp32
+        total = torch.zeros(topo.nnz, dtype=torch.float32, device=x.device)
+        part = torch.empty_like(dv)
+        for b0, b1 in slices:
+            sddmm(dy[b0:b1], x[b0:b1], topo, out=part, bt=bt, threads=threads, wide=wide, chunks=chunks)
+            total += part.float()
+        return dv.copy_(total)
     kind = _KIND[x.dtype]
-    if _use_wide(batch, wide, "sddmm"):
+    if _use_wide(batch, wide, "sddmm", topo):
         nch, cw, smem = wide_chunks(n_in, x.device, chunks)
         if smem <= device_properties(x.device)[1]:
             ntiles = -(-batch // kernels.WIDE)

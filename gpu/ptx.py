@@ -40,7 +40,7 @@ def variants():
                 d = kernels.make_spmm_wide_kernel(kind, perm, atomic)
                 yel = "float32" if atomic else el
                 out.append((d.py_func.__name__, d,
-                            _sig([el, "int32", "int32", el, "int32", yel], 6)))
+                            _sig([el, "int32", "int32", el, "int32", yel], 7)))
         d = kernels.make_sddmm_wide_kernel(kind)
         out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32"], 5)))
     return out

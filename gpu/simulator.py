@@ -4,7 +4,8 @@ Numba's simulator (NUMBA_ENABLE_CUDASIM=1) runs one OS thread per CUDA thread bu
 shuffles and no libdevice. `install()` adds to its fake `cuda` module:
   shfl_sync(mask, value, src_lane), shfl_xor_sync(mask, value, lane_mask): implemented with a
   32-thread barrier per warp (all 32 lanes must take part, as in SNACK's kernels);
-  libdevice.int_as_float / float_as_int: bit casts through numpy.
+  libdevice.int_as_float / float_as_int: bit casts through numpy;
+  shared.array(..., alignment=...): the alignment is accepted (numpy's buffers satisfy it).
 Trade-off: slow (two barrier waits per shuffle), so simulated shapes stay tiny; the `mask`
 argument is not checked. Used only when the simulator is on.
 """
@@ -75,4 +76,12 @@ def install() -> None:
     FakeCUDAModule.shfl_sync = _shfl_sync
     FakeCUDAModule.shfl_xor_sync = _shfl_xor_sync
     FakeCUDAModule.libdevice = property(lambda self: _libdevice)
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    plain = FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        # numpy buffers are aligned well beyond what the kernels ask for (16 bytes)
+        return plain(self, shape, dtype)
+
+    FakeCUDAShared.array = array
     _installed = True

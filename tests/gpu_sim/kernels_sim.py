@@ -82,6 +82,34 @@ def test_wide_kernels(B, chunks):
     _check(coo, B, torch.float32, seed=2, wide=True, chunks=chunks)
 
 
+@pytest.mark.parametrize("B,chunks,split", [(32, 3, 1), (33, 3, 2)])
+def test_wide_kernels_split(B, chunks, split):
+    # a block consumes several chunks in turn (split < chunks); split > 1 adds with atomics
+    coo = COO.random((5, 37), density=0.3, seed=B)
+    _check_spmm(coo, B, seed=6, wide=True, chunks=chunks, split=split)
+
+
+def test_wide_staging_fast_path():
+    # 256 threads (8 warps): several warps share the staging (full tile, then a partial one)
+    coo = COO.random((4, 45), density=0.3, seed=1)
+    _check_spmm(coo, 40, seed=9, wide=True, chunks=2, split=1, threads=256)
+
+
+def _check_spmm(coo, B, seed, **kw):
+    g = torch.Generator().manual_seed(seed)
+    o, i = coo.shape
+    x = torch.randn(B, i, generator=g)
+    dy = torch.randn(B, o, generator=g)
+    t, v = coo.topology, coo.values
+    y = torch.full((B, o), float("nan"))
+    dx = torch.full((B, i), float("nan"))
+    G.spmm(x, t, v, out=y, **kw)
+    G.spmm_t(dy, t, v, out=dx, **kw)
+    vd = v.double()
+    assert _rel(y, spmm_reference(x.double(), t.indices, vd, o)) < TOL[torch.float32]
+    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, i)) < TOL[torch.float32]
+
+
 def test_wide_kernels_bfloat16_with_chunks():
     coo = COO.random((3, 17), density=0.4, seed=9)
     _check(coo, 9, torch.bfloat16, seed=4, wide=True, chunks=2)
@@ -132,3 +160,11 @@ def test_half_precision_error_within_twice_torchs_own(dtype):
     ours = G.spmm(x, coo.topology, v)
     our_err = (ours.double() - ref).abs().max().item()
     assert our_err <= 2 * torch_err + 1e-3 * ref.abs().max().item(), (our_err, torch_err)
+
+
+def test_large_batches_go_in_slices(monkeypatch):
+    # operands past the kernels' 32-bit offsets are cut into batch slices (limit lowered here)
+    import snack.gpu.ops as ops
+    monkeypatch.setattr(ops, "MAX_ELEMENTS", 2 * 13)
+    coo = COO.random((9, 13), density=0.4, seed=12)
+    _check(coo, 3, torch.float32, seed=13)  # slices of 2 and 1 rows (width 13)
