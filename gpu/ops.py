@@ -139,7 +139,12 @@ def _seg(topo: Topology, transposed: bool, nch: int, cw: int) -> torch.Tensor:
     seg = topo.cache.get(key)
     if seg is None:
         if transposed:
-            r, c, n_rows = topo.cols_by_col, topo.rows_by_col, topo.shape[1]
+            # the CSC order's "row" (a column of W) from col_ptr: Topology.cols_by_col would
+            # rebuild and cache the int64 column permutation (12 bytes per connection)
+            n_rows = topo.shape[1]
+            c = topo.rows_by_col
+            r = torch.repeat_interleave(torch.arange(n_rows, device=topo.device),
+                                        topo.col_ptr.diff().to(torch.int64), output_size=topo.nnz)
         else:
             r, c, n_rows = topo.indices[0], topo.indices[1], topo.shape[0]
         k = r.to(torch.int64) * nch + torch.div(c.to(torch.int64), cw, rounding_mode="floor")

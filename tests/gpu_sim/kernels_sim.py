@@ -136,12 +136,13 @@ def test_bad_input_is_rejected_before_launch():
     assert torch.equal(out, torch.zeros(2, 5))  # nothing half-written
 
 
-def test_transposed_spmm_keeps_only_int32_metadata():
+@pytest.mark.parametrize("wide", [False, True])
+def test_transposed_spmm_keeps_only_int32_metadata(wide):
     # the GPU path caches the column permutation as int32 only (4 bytes per connection)
     coo = COO.random((6, 9), density=0.5, seed=3)
     t = coo.topology
-    G.spmm_t(torch.randn(2, 6), t, coo.values)
-    assert "col_perm" not in t.cache
+    G.spmm_t(torch.randn(2, 6), t, coo.values, wide=wide)
+    assert "col_perm" not in t.cache and "cols_by_col" not in t.cache
     assert t.cache["col_perm_i32"].dtype == torch.int32
     assert torch.equal(t.cache["col_perm_i32"].long(), t.col_perm)  # rebuilt on demand, same order
 
