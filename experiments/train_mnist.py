@@ -27,7 +27,6 @@ import copy
 import csv
 import json
 import math
-import os
 import platform
 import subprocess
 import sys

@@ -11,7 +11,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from snack.core import COO, INDEX_DTYPE, Topology, canonicalize, validate_coo
+from snack.core import COO, INDEX_DTYPE, canonicalize, validate_coo
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, strategies as st  # noqa: E402

@@ -2,7 +2,6 @@
 each keeps its largest-magnitude weights and its bias, uniform vs ERK totals, include/exclude,
 tied and MultiheadAttention weights left dense, and the summary.
 """
-import sys
 import types
 
 import pytest
@@ -15,7 +14,7 @@ from snack import SparseLinear, sparsify
 from snack.core import erk_densities
 from snack.layers.sparsify import SparsifySummary
 
-from conftest import assert_close_dtype, tolerance
+from conftest import tolerance
 
 F64_ATOL = tolerance(torch.float64)[1]
 
