@@ -22,7 +22,7 @@ def _run_all(coo, B, dtype, gen, **kw):
             torch.full((coo.nnz,), float("nan"), dtype=dtype, device="cuda")]
     G.spmm(x, t, v, out=outs[0], **kw)
     G.spmm_t(dy, t, v, out=outs[1], **kw)
-    G.sddmm(dy, x, t, out=outs[2], **kw)
+    G.sddmm(dy, x, t, out=outs[2], **{k: a for k, a in kw.items() if k != "split"})
     torch.cuda.synchronize()
     xd, dyd, vd = x.double(), dy.double(), v.double()
     refs = (spmm_reference(xd, t.indices, vd, o), spmm_t_reference(dyd, t.indices, vd, i),
@@ -53,6 +53,17 @@ def test_wide_variants(B, chunks, gen):
     from snack.core import COO
     coo = COO.random((301, 4100), density=0.05, generator=gen, device="cuda")
     _run_all(coo, B, torch.float32, gen, wide=True, chunks=chunks)
+
+
+@pytest.mark.parametrize("B,chunks,split,dtype", [
+    (32, 4, 1, torch.float32), (64, 4, 2, torch.float32), (100, 3, None, torch.float32),
+    (17, 2, 1, torch.float32), (40, 3, 3, torch.float16), (33, 2, 2, torch.bfloat16),
+])
+def test_wide_split_variants(B, chunks, split, dtype, gen):
+    # a block consumes several chunks in turn (split < chunks: plain stores when split = 1)
+    from snack.core import COO
+    coo = COO.random((301, 4100), density=0.05, generator=gen, device="cuda")
+    _run_all(coo, B, dtype, gen, wide=True, chunks=chunks, split=split)
 
 
 @pytest.mark.parametrize("sparsity", [0.9, 0.99])
