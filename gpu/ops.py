@@ -168,8 +168,15 @@ def _perm32(topo: Topology) -> torch.Tensor:
     return p
 
 
-def _dummy_int(device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int32, device=device)
+_dummies = {}
+
+
+def _dummy_f32(device) -> torch.Tensor:
+    """A 1-element fp32 array for a kernel argument that the launch never touches."""
+    d = _dummies.get(device)
+    if d is None:
+        d = _dummies[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return d
 
 
 # When the 32-wide kernels are used by default: {op: (B from which they are used when rows hold
@@ -190,43 +197,55 @@ def _use_wide(batch: int, wide: Optional[bool], op: str, topo: Topology) -> bool
     return batch >= any_from or (batch >= dense_from and density >= WIDE_DENSITY)
 
 
-def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks, split):
-    """Launches the SpMM on the CSR order (transposed: the CSC order) of topo into y."""
-    batch = x.shape[0]
+def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split):
+    """What the SpMM launch needs beyond the per-call tensors, cached on the topology per
+    (order, batch, dtype, options): (wide?, kernel, grid, smem, [index arrays], [scalars]),
+    or None when no variant fits in shared memory (torch fallback)."""
+    key = ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split)
+    plan = topo.cache.get(key)
+    if plan is not None or key in topo.cache:
+        return plan
     if transposed:
         n_rows, n_cols = topo.shape[1], topo.shape[0]
         ptr, idx, perm = topo.col_ptr, topo.rows_by_col, _perm32(topo)
     else:
         n_rows, n_cols = topo.shape
         ptr, idx, perm = topo.row_ptr, topo.indices[1], None
-    kind = _KIND[x.dtype]
+    third = perm if perm is not None else ptr
+    plan = None
     if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo):
-        plan = _wide_plan(n_rows, n_cols, batch, x.device, threads, chunks, split)
-        if plan is not None:
-            nch, cw, cps, nsplit, gy, rpb, smem = plan
-            atomic = nsplit > 1
-            target = y
-            if atomic:
-                target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=y.device)
-                target.zero_()
+        wp = _wide_plan(n_rows, n_cols, batch, device, threads, chunks, split)
+        if wp is not None:
+            nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
-            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, atomic)
-            launch(kern, (nsplit * ntiles, gy), threads, smem,
-                   [as_kernel_array(x), _seg(topo, transposed, nch, cw), idx, as_kernel_array(values),
-                    perm if perm is not None else ptr, as_kernel_array(target)],
-                   [n_rows, n_cols, batch, nch, cw, rpb, cps], x.device)
-            if target is not y:
-                y.copy_(target)
-            return True
-    tile, smem = choose_tile(batch, n_cols, x.device, bt)
-    if tile is None:
+            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, nsplit > 1)
+            plan = (True, kern, (nsplit * ntiles, gy), smem, [_seg(topo, transposed, nch, cw), idx, third],
+                    [n_rows, n_cols, batch, nch, cw, rpb, cps], nsplit > 1)
+    if plan is None:
+        tile, smem = choose_tile(batch, n_cols, device, bt)
+        if tile is not None:
+            ntiles = -(-batch // tile)
+            gy = _grid_rows(n_rows, ntiles, smem, device, threads)
+            kern = kernels.make_spmm_kernel(tile, kind, perm is not None)
+            plan = (False, kern, (ntiles, gy), smem, [ptr, idx, third], [n_rows, n_cols, batch], False)
+    topo.cache[key] = plan
+    return plan
+
+
+def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks, split):
+    """Launches the SpMM on the CSR order (transposed: the CSC order) of topo into y."""
+    plan = _spmm_plan(topo, transposed, x.shape[0], _KIND[x.dtype], x.device, bt, threads, wide, chunks, split)
+    if plan is None:
         return False
-    ntiles = -(-batch // tile)
-    gy = _grid_rows(n_rows, ntiles, smem, x.device, threads)
-    kern = kernels.make_spmm_kernel(tile, kind, perm is not None)
-    launch(kern, (ntiles, gy), threads, smem,
-           [as_kernel_array(x), ptr, idx, as_kernel_array(values), perm if perm is not None else ptr,
-            as_kernel_array(y)], [n_rows, n_cols, batch], x.device)
+    is_wide, kern, grid, smem, (a1, a2, a3), scalars, atomic = plan
+    target = y
+    if atomic:  # partial rows are added: a zeroed fp32 output
+        target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=y.device)
+        target.zero_()
+    launch(kern, grid, threads, smem,
+           [as_kernel_array(x), a1, a2, as_kernel_array(values), a3, as_kernel_array(target)], scalars, x.device)
+    if target is not y:
+        y.copy_(target)
     return True
 
 
@@ -235,6 +254,8 @@ MAX_ELEMENTS = 2 ** 31 - 1
 
 
 def _batch_slices(batch: int, width: int):
+    if batch * width <= MAX_ELEMENTS:
+        return ((0, batch),)
     step = max(1, MAX_ELEMENTS // max(1, width))
     return [(b, min(batch, b + step)) for b in range(0, batch, step)]
 
@@ -254,8 +275,9 @@ def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, 
         return res.zero_()
     a = a.contiguous()
     values = values.contiguous()
-    for b0, b1 in _batch_slices(a.shape[0], max(n_a, n_res)):
-        sa, sr = a[b0:b1], res[b0:b1]
+    slices = _batch_slices(a.shape[0], max(n_a, n_res))
+    for b0, b1 in slices:
+        sa, sr = (a, res) if len(slices) == 1 else (a[b0:b1], res[b0:b1])
         if not _run_spmm(sa, topo, transposed, values, sr, bt, threads, wide, chunks, split):
             from snack.core import reference
             ref = reference.spmm_t_reference if transposed else reference.spmm_reference
@@ -308,28 +330,40 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
             sddmm(dy[b0:b1], x[b0:b1], topo, out=part, bt=bt, threads=threads, wide=wide, chunks=chunks)
             total += part.float()
         return dv.copy_(total)
-    kind = _KIND[x.dtype]
-    if _use_wide(batch, wide, "sddmm", topo):
-        nch, cw, smem = wide_chunks(n_in, x.device, chunks)
-        if smem <= device_properties(x.device)[1]:
-            ntiles = -(-batch // kernels.WIDE)
-            acc = torch.empty(topo.nnz if ntiles > 1 else 1, dtype=torch.float32, device=x.device)
-            gy = _grid_rows(n_out, nch, smem, x.device, threads)
-            launch(kernels.make_sddmm_wide_kernel(kind), (nch, gy), threads, smem,
-                   [as_kernel_array(x), as_kernel_array(dy), _seg(topo, False, nch, cw), topo.indices[1],
-                    as_kernel_array(dv), acc], [n_out, n_in, batch, nch, cw], x.device)
-            return dv
-    tile, smem = choose_tile(batch, n_in, x.device, bt)
-    if tile is None:
+    plan = _sddmm_plan(topo, batch, _KIND[x.dtype], x.device, bt, threads, wide, chunks)
+    if plan is None:
         from snack.core.reference import sddmm_reference
         return dv.copy_(sddmm_reference(dy.float(), x.float(), topo.indices))
-    ntiles = -(-batch // tile)
+    kern, grid, smem, (a1, a2), scalars, needs_acc = plan
     # fp32 partial sums across batch tiles (never aliased with dv: the simulator copies each
     # argument back separately)
-    acc = torch.empty(topo.nnz if ntiles > 1 else 1, dtype=torch.float32, device=x.device)
-    gy = _grid_rows(n_out, 1, smem, x.device, threads)
-    kern = kernels.make_sddmm_kernel(tile, kind)
-    launch(kern, (1, gy), threads, smem,
-           [as_kernel_array(x), as_kernel_array(dy), topo.row_ptr, topo.indices[1],
-            as_kernel_array(dv), acc], [n_out, n_in, batch], x.device)
+    acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if needs_acc else _dummy_f32(x.device)
+    launch(kern, grid, threads, smem, [as_kernel_array(x), as_kernel_array(dy), a1, a2, as_kernel_array(dv), acc],
+           scalars, x.device)
     return dv
+
+
+def _sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks):
+    """The SDDMM's launch beyond the per-call tensors, cached on the topology like `_spmm_plan`:
+    (kernel, grid, smem, [index arrays], [scalars], needs an fp32 accumulator?) or None."""
+    key = ("sddmm_plan", batch, kind, bt, threads, wide, chunks)
+    plan = topo.cache.get(key)
+    if plan is not None or key in topo.cache:
+        return plan
+    n_out, n_in = topo.shape
+    if _use_wide(batch, wide, "sddmm", topo):
+        nch, cw, smem = wide_chunks(n_in, device, chunks)
+        if smem <= device_properties(device)[1]:
+            ntiles = -(-batch // kernels.WIDE)
+            gy = _grid_rows(n_out, nch, smem, device, threads)
+            plan = (kernels.make_sddmm_wide_kernel(kind), (nch, gy), smem,
+                    [_seg(topo, False, nch, cw), topo.indices[1]], [n_out, n_in, batch, nch, cw], ntiles > 1)
+    if plan is None:
+        tile, smem = choose_tile(batch, n_in, device, bt)
+        if tile is not None:
+            ntiles = -(-batch // tile)
+            gy = _grid_rows(n_out, 1, smem, device, threads)
+            plan = (kernels.make_sddmm_kernel(tile, kind), (1, gy), smem, [topo.row_ptr, topo.indices[1]],
+                    [n_out, n_in, batch], ntiles > 1)
+    topo.cache[key] = plan
+    return plan
