@@ -169,3 +169,11 @@ def test_large_batches_go_in_slices(monkeypatch):
     monkeypatch.setattr(ops, "MAX_ELEMENTS", 2 * 13)
     coo = COO.random((9, 13), density=0.4, seed=12)
     _check(coo, 3, torch.float32, seed=13)  # slices of 2 and 1 rows (width 13)
+
+
+def test_cached_launch_plans_follow_batch_and_dtype():
+    # one topology, calls with different batch sizes (different tiles) and dtypes in turn: each
+    # call must use its own cached launch plan
+    coo = COO.random((5, 19), density=0.4, seed=21)
+    for B, dtype in ((2, torch.float32), (9, torch.float32), (2, torch.float16), (2, torch.float32)):
+        _check(coo, B, dtype, seed=B)
