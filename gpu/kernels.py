@@ -360,8 +360,8 @@ def _make_stage_quad(ld):
         src = int32(b0 + r) * int32(n_cols) + int32(c0) + cl
         dst = (cl << 5) | r
         if nb >= WIDE:
-            # fast path: whole batch tile, whole column groups: no per-element test; two
-            # column groups per round (16 loads in flight), then one
+            # fast path: whole batch tile, two whole column groups per round (16 loads in
+            # flight), no per-element test; what is left goes through the checked loop
             while cl - u + step + 8 <= w32:
                 for kk in range(8):
                     buf[kk] = ld(x, uint32(src + int32(kk) * rs))
@@ -372,14 +372,6 @@ def _make_stage_quad(ld):
                 cl = int32(cl + 2 * step)
                 src = int32(src + 2 * step)
                 dst = int32(dst + (step << 6))
-            if cl - u + 8 <= w32:
-                for kk in range(8):
-                    buf[kk] = ld(x, uint32(src + int32(kk) * rs))
-                for kk in range(8):
-                    xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
-                cl = int32(cl + step)
-                src = int32(src + step)
-                dst = int32(dst + (step << 5))
         while cl - u < w32:
             inc = cl < w32
             for kk in range(8):

@@ -197,14 +197,23 @@ def _use_wide(batch: int, wide: Optional[bool], op: str, topo: Topology) -> bool
     return batch >= any_from or (batch >= dense_from and density >= WIDE_DENSITY)
 
 
+def _cached_plan(topo, key, build):
+    """topo.cache[key], built once by build() (a plan may be None: no kernel variant fits)."""
+    if key not in topo.cache:
+        topo.cache[key] = build()
+    return topo.cache[key]
+
+
 def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split):
     """What the SpMM launch needs beyond the per-call tensors, cached on the topology per
-    (order, batch, dtype, options): (wide?, kernel, grid, smem, [index arrays], [scalars]),
+    (order, batch, dtype, options): (kernel, grid, smem, [index arrays], [scalars], atomic?),
     or None when no variant fits in shared memory (torch fallback)."""
-    key = ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split)
-    plan = topo.cache.get(key)
-    if plan is not None or key in topo.cache:
-        return plan
+    return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split),
+                        lambda: _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide,
+                                                 chunks, split))
+
+
+def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split):
     if transposed:
         n_rows, n_cols = topo.shape[1], topo.shape[0]
         ptr, idx, perm = topo.col_ptr, topo.rows_by_col, _perm32(topo)
@@ -212,24 +221,21 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
         n_rows, n_cols = topo.shape
         ptr, idx, perm = topo.row_ptr, topo.indices[1], None
     third = perm if perm is not None else ptr
-    plan = None
     if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo):
         wp = _wide_plan(n_rows, n_cols, batch, device, threads, chunks, split)
         if wp is not None:
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
             kern = kernels.make_spmm_wide_kernel(kind, perm is not None, nsplit > 1)
-            plan = (True, kern, (nsplit * ntiles, gy), smem, [_seg(topo, transposed, nch, cw), idx, third],
+            return (kern, (nsplit * ntiles, gy), smem, [_seg(topo, transposed, nch, cw), idx, third],
                     [n_rows, n_cols, batch, nch, cw, rpb, cps], nsplit > 1)
-    if plan is None:
-        tile, smem = choose_tile(batch, n_cols, device, bt)
-        if tile is not None:
-            ntiles = -(-batch // tile)
-            gy = _grid_rows(n_rows, ntiles, smem, device, threads)
-            kern = kernels.make_spmm_kernel(tile, kind, perm is not None)
-            plan = (False, kern, (ntiles, gy), smem, [ptr, idx, third], [n_rows, n_cols, batch], False)
-    topo.cache[key] = plan
-    return plan
+    tile, smem = choose_tile(batch, n_cols, device, bt)
+    if tile is None:
+        return None
+    ntiles = -(-batch // tile)
+    gy = _grid_rows(n_rows, ntiles, smem, device, threads)
+    kern = kernels.make_spmm_kernel(tile, kind, perm is not None)
+    return (kern, (ntiles, gy), smem, [ptr, idx, third], [n_rows, n_cols, batch], False)
 
 
 def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks, split):
@@ -237,7 +243,7 @@ def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks, split):
     plan = _spmm_plan(topo, transposed, x.shape[0], _KIND[x.dtype], x.device, bt, threads, wide, chunks, split)
     if plan is None:
         return False
-    is_wide, kern, grid, smem, (a1, a2, a3), scalars, atomic = plan
+    kern, grid, smem, (a1, a2, a3), scalars, atomic = plan
     target = y
     if atomic:  # partial rows are added: a zeroed fp32 output
         target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=y.device)
@@ -346,24 +352,23 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
 def _sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks):
     """The SDDMM's launch beyond the per-call tensors, cached on the topology like `_spmm_plan`:
     (kernel, grid, smem, [index arrays], [scalars], needs an fp32 accumulator?) or None."""
-    key = ("sddmm_plan", batch, kind, bt, threads, wide, chunks)
-    plan = topo.cache.get(key)
-    if plan is not None or key in topo.cache:
-        return plan
+    return _cached_plan(topo, ("sddmm_plan", batch, kind, bt, threads, wide, chunks),
+                        lambda: _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks))
+
+
+def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks):
     n_out, n_in = topo.shape
     if _use_wide(batch, wide, "sddmm", topo):
         nch, cw, smem = wide_chunks(n_in, device, chunks)
         if smem <= device_properties(device)[1]:
             ntiles = -(-batch // kernels.WIDE)
             gy = _grid_rows(n_out, nch, smem, device, threads)
-            plan = (kernels.make_sddmm_wide_kernel(kind), (nch, gy), smem,
+            return (kernels.make_sddmm_wide_kernel(kind), (nch, gy), smem,
                     [_seg(topo, False, nch, cw), topo.indices[1]], [n_out, n_in, batch, nch, cw], ntiles > 1)
-    if plan is None:
-        tile, smem = choose_tile(batch, n_in, device, bt)
-        if tile is not None:
-            ntiles = -(-batch // tile)
-            gy = _grid_rows(n_out, 1, smem, device, threads)
-            plan = (kernels.make_sddmm_kernel(tile, kind), (1, gy), smem, [topo.row_ptr, topo.indices[1]],
-                    [n_out, n_in, batch], ntiles > 1)
-    topo.cache[key] = plan
-    return plan
+    tile, smem = choose_tile(batch, n_in, device, bt)
+    if tile is None:
+        return None
+    ntiles = -(-batch // tile)
+    gy = _grid_rows(n_out, 1, smem, device, threads)
+    return (kernels.make_sddmm_kernel(tile, kind), (1, gy), smem, [topo.row_ptr, topo.indices[1]],
+            [n_out, n_in, batch], ntiles > 1)
