@@ -17,11 +17,17 @@ def main():
             x = torch.randn(B, i, device="cuda", dtype=dt)
             dy = torch.randn(B, o, device="cuda", dtype=dt)
             t, v = coo.topology, coo.values
-            for got, ref in ((G.spmm(x, t, v), spmm_reference(x.double(), t.indices, v.double(), o)),
-                             (G.spmm_t(dy, t, v), spmm_t_reference(dy.double(), t.indices, v.double(), i)),
-                             (G.sddmm(dy, x, t), sddmm_reference(dy.double(), x.double(), t.indices))):
-                e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-                worst = max(worst, e if dt == torch.float32 else e / 100)
+            yref = spmm_reference(x.double(), t.indices, v.double(), o)
+            dxref = spmm_t_reference(dy.double(), t.indices, v.double(), i)
+            dvref = sddmm_reference(dy.double(), x.double(), t.indices)
+            # the default variant, then the 32-wide kernels forced (one chunk per block with
+            # atomics, and one block looping over small chunks)
+            for opts in ({}, {"wide": True}, {"wide": True, "chunks": 3, "split": 1}):
+                sd = {k: w for k, w in opts.items() if k != "split"}
+                for got, ref in ((G.spmm(x, t, v, **opts), yref), (G.spmm_t(dy, t, v, **opts), dxref),
+                                 (G.sddmm(dy, x, t, **sd), dvref)):
+                    e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                    worst = max(worst, e if dt == torch.float32 else e / 100)
     torch.cuda.synchronize()
     print(f"sanitize run done, worst scaled relative error {worst:.2e}")
     assert worst < 1e-4

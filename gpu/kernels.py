@@ -25,6 +25,7 @@ Arrays (all on the GPU, C-contiguous):
   val   (nnz,) like x             values; read as val[perm[k]] when `perm` is given
   perm  (nnz,) int32              (transposed SpMM only) position of CSR entry k in `val`
   y     (B, n_rows) like x        output, every element written exactly once
+  bias  (n_rows,) like x          (forward SpMM with bias only) added to every output row
 Dtype kinds: 0 = float32, 1 = float16, 2 = bfloat16 (int16 bits). Accumulation is always fp32.
 """
 from __future__ import annotations
@@ -132,12 +133,13 @@ def _make_stage(BT, ld):
 
 
 @functools.lru_cache(maxsize=None)
-def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
-    """Y[b, r] = sum_k val[k] X[b, idx[k]] over the CSR rows r; see the module docstring.
+def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False):
+    """Y[b, r] = sum_k val[k] X[b, idx[k]] (+ bias[r]) over the CSR rows r; see the module docstring.
 
-    Signature: (x, ptr, idx, val, perm, y, n_rows, n_cols, batch). `perm` is ignored (pass any
-    int32 array) unless has_perm. Launch: grid (n_batch_tiles, n_row_blocks), block a multiple
-    of 32 threads, dynamic shared memory bt * (n_cols | 1) * 4 bytes.
+    Signature: (x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch). `perm` is ignored (pass
+    any int32 array) unless has_perm, `bias` (n_rows,) like x unless has_bias. Launch: grid
+    (n_batch_tiles, n_row_blocks), block a multiple of 32 threads, dynamic shared memory
+    bt * (n_cols | 1) * 4 bytes.
     Each warp step takes 64 non-zeros (two per lane) and loads the next 64 before using them.
     """
     G = _check_bt(bt)
@@ -145,6 +147,7 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
     HAS_PERM = has_perm
+    HAS_BIAS = has_bias
     stage = _make_stage(BT, ld)
 
     @cuda.jit(device=True, inline=True)
@@ -159,16 +162,13 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
                 v = ld(val, uint32(k))
         return c, v
 
-    def spmm(x, ptr, idx, val, perm, y, n_rows, n_cols, batch):
+    def spmm(x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch):
         xs = cuda.shared.array(0, dtype=float32)
         buf = cuda.local.array(8, dtype=float32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         b0 = cuda.blockIdx.x * BT
         stride = _row_count(n_cols)
-        stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
-        cuda.syncthreads()
-
         lane = tid & 31
         g = lane // BT
         j = lane - g * BT
@@ -176,13 +176,27 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
         nwarps = nthreads >> 5
         r = cuda.blockIdx.y * nwarps + (tid >> 5)
         rstride = cuda.gridDim.y * nwarps
-        while r < n_rows:
+        # the first row's bounds and non-zeros are requested before the staging, which hides
+        # their latency; later rows are requested while the previous one is processed
+        start = int32(0)
+        end = int32(0)
+        if r < n_rows:
             start = ptr[r]
             end = ptr[r + 1]
+        ca, va = load_nz(idx, val, perm, start + lane, end)
+        cb, vb = load_nz(idx, val, perm, start + 32 + lane, end)
+        stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
+        cuda.syncthreads()
+
+        while r < n_rows:
+            rn = r + rstride
+            nstart = int32(0)
+            nend = int32(0)
+            if rn < n_rows:
+                nstart = ptr[rn]
+                nend = ptr[rn + 1]
             acc0 = float32(0.0)
             acc1 = float32(0.0)
-            ca, va = load_nz(idx, val, perm, start + lane, end)
-            cb, vb = load_nz(idx, val, perm, start + 32 + lane, end)
             base = start
             while base < end:
                 nb = base + 64
@@ -205,6 +219,8 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
                 cb = nbb
                 vb = nvb
                 base = nb
+            ca, va = load_nz(idx, val, perm, nstart + lane, nend)
+            cb, vb = load_nz(idx, val, perm, nstart + 32 + lane, nend)
             acc = acc0 + acc1
             off = BT
             while off < 32:
@@ -212,10 +228,14 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool):
                 off *= 2
             b = b0 + j
             if g == 0 and b < batch:
+                if HAS_BIAS:
+                    acc += ld(bias, uint32(r))
                 y[b * n_rows + r] = cv(acc)
-            r += rstride
+            start = nstart
+            end = nend
+            r = rn
 
-    spmm.__name__ = f"snack_spmm_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}"
+    spmm.__name__ = f"snack_spmm_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
     return cuda.jit(spmm)
 
 
@@ -389,14 +409,16 @@ def _make_stage_quad(ld):
 
 
 @functools.lru_cache(maxsize=None)
-def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
-    """Y = X W^T for 32-column batch tiles and column chunks (see the comment above).
+def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: bool = False):
+    """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
-    Signature: (x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw, rows_per_block, cps).
+    Signature: (x, seg, idx, val, perm, y, bias, n_rows, n_cols, batch, nch, cw, rows_per_block,
+    cps); bias (n_rows,) like x, read only with has_bias (added by the blocks of the first
+    column-chunk group when partial rows are added with atomics).
     x (B, n_cols); seg int32 (n_rows * nch + 1,); idx int32 (nnz,) global column of each entry;
     val (nnz,), read through perm when has_perm; y (B, n_rows): with `atomic` an fp32 buffer
     that must be zero (partial sums are added), else written once per element.
-    Launch: grid (nsplit * n_batch_tiles, ceil(n_rows / rows_per_block)) with
+    Launch: grid (nsplit, n_batch_tiles, ceil(n_rows / rows_per_block)) with
     nsplit = ceil(nch / cps) (`atomic` iff nsplit > 1), dynamic shared memory
     (cw * 32 + rows_per_block * 33) * 4 bytes. A block owns rows_per_block consecutive rows and
     cps consecutive column chunks, which it stages and consumes in turn; the rows' partial
@@ -411,38 +433,38 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
     cv = _CONVERTERS[kind]
     HAS_PERM = has_perm
     ATOMIC = atomic
+    HAS_BIAS = has_bias
     stage = _make_stage_quad(ld)
 
     @cuda.jit(device=True, inline=True)
     def load_nz(idx, val, perm, k, end, c0):
-        """(row offset of column - c0 in the staged chunk, value) of entry k, (0, 0) past the end."""
-        c = int32(0)
+        """(column of entry k, value) for k < end, else (c0, 0). The column's row offset in the
+        staged chunk (`_quad_row(column - c0)`) is taken only when the entry is used, so that a
+        prefetch does not wait for its load."""
+        c = int32(c0)
         v = float32(0.0)
         if k < end:
-            c = _quad_row(int32(idx[uint32(k)] - c0))
+            c = int32(idx[uint32(k)])
             if HAS_PERM:
                 v = ld(val, uint32(perm[uint32(k)]))
             else:
                 v = ld(val, uint32(k))
         return c, v
 
-    def spmm_wide(x, seg, idx, val, perm, y, n_rows, n_cols, batch, nch, cw, rows_per_block, cps):
+    def spmm_wide(x, seg, idx, val, perm, y, bias, n_rows, n_cols, batch, nch, cw, rows_per_block, cps):
         xs = cuda.shared.array(0, dtype=float32, alignment=16)
         buf = cuda.local.array(16, dtype=float32)
-        tid = cuda.threadIdx.x
-        nthreads = cuda.blockDim.x
-        nsplit = (int32(nch) + int32(cps) - 1) // int32(cps)
-        bx = int32(cuda.blockIdx.x)
-        tile = bx // nsplit
-        ch0 = (bx - tile * nsplit) * int32(cps)
+        tid = int32(cuda.threadIdx.x)
+        nthreads = int32(cuda.blockDim.x)
+        ch0 = int32(cuda.blockIdx.x) * int32(cps)
         ch1 = min(ch0 + int32(cps), int32(nch))
-        b0 = tile * WIDE
-        r0 = cuda.blockIdx.y * rows_per_block
-        r1 = min(r0 + rows_per_block, n_rows)
-        ybase = cw * 32  # the block's output tile ybuf[(r - r0) * 33 + col] follows xs
+        b0 = int32(cuda.blockIdx.y) * WIDE
+        r0 = int32(cuda.blockIdx.z) * int32(rows_per_block)
+        r1 = min(r0 + int32(rows_per_block), int32(n_rows))
+        ybase = int32(cw) * 32  # the block's output tile ybuf[(r - r0) * 33 + col] follows xs
         e = tid
         while e < rows_per_block * 33:
-            xs[ybase + e] = float32(0.0)
+            xs[uint32(ybase + e)] = float32(0.0)
             e += nthreads
 
         lane = tid & 31
@@ -452,21 +474,22 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
         hi16 = (lane & 16) != 0
         nwarps = nthreads >> 5
         for ch in range(ch0, ch1):
-            c0 = ch * cw
-            width = min(cw, n_cols - c0)
-            if ch > ch0:
-                cuda.syncthreads()  # the previous chunk is consumed
-            stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
-            cuda.syncthreads()
-            # rows are software-pipelined: the next row's segment bounds and first 32
-            # non-zeros are requested while the current row is processed
+            c0 = int32(ch * cw)
+            width = min(int32(cw), int32(n_cols) - c0)
+            # rows are software-pipelined: the first row's segment bounds and first 32
+            # non-zeros are requested before the staging, the next row's while the current
+            # one is processed
             r = r0 + (tid >> 5)
             s0 = int32(0)
             s1 = int32(0)
             if r < r1:
                 s0 = seg[uint32(r * nch + ch)]
                 s1 = seg[uint32(r * nch + ch + 1)]
-            ca, va = load_nz(idx, val, perm, s0 + lane, s1, c0)
+            cr, va = load_nz(idx, val, perm, s0 + lane, s1, c0)
+            if ch > ch0:
+                cuda.syncthreads()  # the previous chunk is consumed
+            stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
+            cuda.syncthreads()
             while r < r1:
                 rn = r + nwarps
                 ns0 = int32(0)
@@ -479,9 +502,10 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
                 a2 = float32(0.0)
                 a3 = float32(0.0)
                 base = s0
+                ca = _quad_row(cr - c0)
                 while base < s1:
                     cn, vn = load_nz(idx, val, perm, base + 32 + lane, s1, c0)
-                    left = int32(s1 - base)
+                    left = s1 - base
                     if left >= 32:  # whole step: no per-step test
                         for t in range(0, 32, 4):
                             a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
@@ -490,10 +514,10 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
                         while t < left:
                             a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
                             t = int32(t + 4)
-                    ca = cn
+                    ca = _quad_row(cn - c0)
                     va = vn
                     base += 32
-                ca, va = load_nz(idx, val, perm, ns0 + lane, ns1, c0)
+                cr, va = load_nz(idx, val, perm, ns0 + lane, ns1, c0)
                 if s0 < s1:
                     # sum over the 4 groups (transposing: each lane ends with one batch column,
                     # 4k + 2 * bit3 + bit4 of its lane)
@@ -512,29 +536,38 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool):
                 s1 = ns1
                 r = rn
         cuda.syncthreads()
-        # flush the output tile: consecutive threads take consecutive rows (coalesced); thread
-        # tid starts at (col, rr) = divmod(tid, nr) and advances by divmod(nthreads, nr)
-        nr = int32(r1 - r0)
-        nt = int32(nthreads)
-        col = int32(tid) // nr
-        rr = int32(tid) - col * nr
-        dcol = nt // nr
-        drr = nt - dcol * nr
-        ncol = min(int32(WIDE), int32(batch - b0))
+        # flush the output tile, consecutive threads on consecutive rows (coalesced): rows are
+        # padded to a power of two, 2^sh >= nr, so that (col, row) = (tid >> sh, tid & mask)
+        nr = r1 - r0
+        sh = int32(0)
+        while (int32(1) << sh) < nr:
+            sh += 1
+        ncol = min(int32(WIDE), int32(batch) - b0)
+        if (int32(1) << sh) <= nthreads:
+            col = tid >> sh
+            rr = tid & ((int32(1) << sh) - 1)
+            dcol = nthreads >> sh
+        else:  # more rows than threads: each thread loops over rows, one column at a time
+            col = int32(0)
+            rr = tid
+            dcol = int32(1)
+        with_bias = HAS_BIAS and (not ATOMIC or cuda.blockIdx.x == 0)
         while col < ncol:
-            v = xs[uint32(ybase + rr * 33 + col)]
-            o = uint32((b0 + col) * n_rows + r0 + rr)
-            if ATOMIC:
-                cuda.atomic.add(y, o, v)
-            else:
-                y[o] = cv(v)
-            col = int32(col + dcol)
-            rr = int32(rr + drr)
-            if rr >= nr:
-                rr = int32(rr - nr)
-                col = int32(col + 1)
+            q = rr
+            while q < nr:
+                v = xs[uint32(ybase + q * 33 + col)]
+                if with_bias:
+                    v += ld(bias, uint32(r0 + q))
+                o = uint32((b0 + col) * int32(n_rows) + r0 + q)
+                if ATOMIC:
+                    cuda.atomic.add(y, o, v)
+                else:
+                    y[o] = cv(v)
+                q += nthreads
+            col += dcol
 
-    spmm_wide.__name__ = f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}{'_atomic' if atomic else ''}"
+    spmm_wide.__name__ = (f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}"
+                          f"{'_atomic' if atomic else ''}{'_bias' if has_bias else ''}")
     return _jit(spmm_wide, launch_bounds=(1024,))
 
 
@@ -608,9 +641,9 @@ def make_sddmm_wide_kernel(kind: int):
                     cl = _quad_row(int32(idx[uint32(base + lane)] - c0))
                 while base < s1:
                     kn = base + 32 + lane
-                    cn = int32(0)
+                    cn = int32(c0)  # the next column; its row offset is taken after this step
                     if kn < s1:
-                        cn = _quad_row(int32(idx[uint32(kn)] - c0))
+                        cn = int32(idx[uint32(kn)])
                     for i in range(8):
                         q = uint32((cuda.shfl_sync(FULL_MASK, cl, 4 * i + g) ^ k4) & -4)
                         p[i] = d0 * xs[q] + d1 * xs[q + 1] + d2 * xs[q + 2] + d3 * xs[q + 3]
@@ -643,7 +676,7 @@ def make_sddmm_wide_kernel(kind: int):
                         else:
                             dvacc[uint32(k)] = tot
                     base += 32
-                    cl = cn
+                    cl = _quad_row(cn - int32(c0))
                 r += rstride
 
     sddmm_wide.__name__ = f"snack_sddmm_wide_{KINDS[kind]}"

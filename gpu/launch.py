@@ -122,8 +122,8 @@ class _DriverKernel:
             i += 1
         if block > self.max_threads:  # register-heavy variants: fewer threads, same result
             block = self.max_threads
-        err = self._launch(self.fn, grid[0], grid[1], 1, block, 1, 1, smem, stream_ptr,
-                           self.params, None)
+        gz = grid[2] if len(grid) > 2 else 1
+        err = self._launch(self.fn, grid[0], grid[1], gz, block, 1, 1, smem, stream_ptr, self.params, None)
         if err != 0:
             raise RuntimeError(f"SNACK kernel launch failed with CUDA driver error {err}")
 
@@ -169,7 +169,7 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
     """Launches `dispatcher` (a numba.cuda.jit kernel) on torch's current stream.
 
     arrays: 1-D contiguous tensors (see `as_kernel_array`); scalars: Python ints (int64 args).
-    grid: (gx, gy); block: threads per block (1-D); smem: dynamic shared memory in bytes.
+    grid: (gx, gy) or (gx, gy, gz); block: threads per block (1-D); smem: dynamic shared memory in bytes.
     """
     mode = launch_mode()
     if mode == "sim":

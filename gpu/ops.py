@@ -1,6 +1,6 @@
 """Launchers for the SNACK-COO kernels: validate, allocate, pick the variant and grid, launch.
 
-    spmm(x, topo, values, out=None)     Y (B, out) = X W^T          x (B, in)
+    spmm(x, topo, values, out=None, bias=None)   Y (B, out) = X W^T (+ bias)   x (B, in)
     spmm_t(dy, topo, values, out=None)  dX (B, in) = dY W           dy (B, out)
     sddmm(dy, x, topo, out=None)        dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
 W is the (out, in) matrix of `topo` (a snack.core.Topology on the same device, canonical
@@ -204,16 +204,16 @@ def _cached_plan(topo, key, build):
     return topo.cache[key]
 
 
-def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split):
+def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias):
     """What the SpMM launch needs beyond the per-call tensors, cached on the topology per
-    (order, batch, dtype, options): (kernel, grid, smem, [index arrays], [scalars], atomic?),
-    or None when no variant fits in shared memory (torch fallback)."""
-    return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split),
+    (order, batch, dtype, options, bias or not): (kernel, grid, smem, [index arrays], [scalars],
+    atomic?), or None when no variant fits in shared memory (torch fallback)."""
+    return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias),
                         lambda: _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide,
-                                                 chunks, split))
+                                                 chunks, split, has_bias))
 
 
-def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split):
+def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias):
     if transposed:
         n_rows, n_cols = topo.shape[1], topo.shape[0]
         ptr, idx, perm = topo.col_ptr, topo.rows_by_col, _perm32(topo)
@@ -226,21 +226,23 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
         if wp is not None:
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
-            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, nsplit > 1)
-            return (kern, (nsplit * ntiles, gy), smem, [_seg(topo, transposed, nch, cw), idx, third],
+            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, nsplit > 1, has_bias)
+            return (kern, (nsplit, ntiles, gy), smem, [_seg(topo, transposed, nch, cw), idx, third],
                     [n_rows, n_cols, batch, nch, cw, rpb, cps], nsplit > 1)
     tile, smem = choose_tile(batch, n_cols, device, bt)
     if tile is None:
         return None
     ntiles = -(-batch // tile)
     gy = _grid_rows(n_rows, ntiles, smem, device, threads)
-    kern = kernels.make_spmm_kernel(tile, kind, perm is not None)
+    kern = kernels.make_spmm_kernel(tile, kind, perm is not None, has_bias)
     return (kern, (ntiles, gy), smem, [ptr, idx, third], [n_rows, n_cols, batch], False)
 
 
-def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks, split):
-    """Launches the SpMM on the CSR order (transposed: the CSC order) of topo into y."""
-    plan = _spmm_plan(topo, transposed, x.shape[0], _KIND[x.dtype], x.device, bt, threads, wide, chunks, split)
+def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, split):
+    """Launches the SpMM (+ bias, added by the kernel) on the CSR order (transposed: the CSC
+    order) of topo into y."""
+    plan = _spmm_plan(topo, transposed, x.shape[0], _KIND[x.dtype], x.device, bt, threads, wide, chunks, split,
+                      bias is not None)
     if plan is None:
         return False
     kern, grid, smem, (a1, a2, a3), scalars, atomic = plan
@@ -248,8 +250,10 @@ def _run_spmm(x, topo, transposed, values, y, bt, threads, wide, chunks, split):
     if atomic:  # partial rows are added: a zeroed fp32 output
         target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=y.device)
         target.zero_()
-    launch(kern, grid, threads, smem,
-           [as_kernel_array(x), a1, a2, as_kernel_array(values), a3, as_kernel_array(target)], scalars, x.device)
+    vals = as_kernel_array(values)
+    launch(kern, grid, threads, smem,  # without a bias, `values` stands in for the unread argument
+           [as_kernel_array(x), a1, a2, vals, a3, as_kernel_array(target),
+            vals if bias is None else as_kernel_array(bias)], scalars, x.device)
     if target is not y:
         y.copy_(target)
     return True
@@ -266,7 +270,18 @@ def _batch_slices(batch: int, width: int):
     return [(b, min(batch, b + step)) for b in range(0, batch, step)]
 
 
-def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, split):
+def _check_bias(bias, n_out: int, dtype, device):
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if tuple(bias.shape) != (n_out,):
+        raise ValueError(f"bias must have shape ({n_out},) (out_features), got {tuple(bias.shape)}")
+    if bias.dtype != dtype:
+        raise TypeError(f"bias has dtype {bias.dtype} but the dense operand has {dtype}")
+    _check_device("bias", bias, device)
+    return bias.contiguous()
+
+
+def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, split, bias=None):
     """Shared body of spmm (a = x, W) and spmm_t (a = dy, W^T): validate, allocate, launch."""
     _check_common(name, a, topo)
     n_out, n_in = topo.shape
@@ -274,28 +289,33 @@ def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, 
     if a.shape[1] != n_a:
         raise ValueError(f"{name} must have {n_a} columns ({what}), got shape {tuple(a.shape)}")
     _check_values(values, topo, a.dtype)
+    if bias is not None:
+        bias = _check_bias(bias, n_res, a.dtype, topo.device)
     res = _check_out(out, (a.shape[0], n_res), a.dtype, a.device)
     if res.numel() == 0:
         return res
     if topo.nnz == 0:
-        return res.zero_()
+        return res.zero_() if bias is None else res.copy_(bias.expand_as(res))
     a = a.contiguous()
     values = values.contiguous()
     slices = _batch_slices(a.shape[0], max(n_a, n_res))
     for b0, b1 in slices:
         sa, sr = (a, res) if len(slices) == 1 else (a[b0:b1], res[b0:b1])
-        if not _run_spmm(sa, topo, transposed, values, sr, bt, threads, wide, chunks, split):
+        if not _run_spmm(sa, topo, transposed, values, sr, bias, bt, threads, wide, chunks, split):
             from snack.core import reference
             ref = reference.spmm_t_reference if transposed else reference.spmm_reference
             sr.copy_(ref(sa.float(), topo.indices, values.float(), n_res))
+            if bias is not None:
+                sr.add_(bias)
     return res
 
 
 def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
-         *, bt: Optional[int] = None, threads: int = _THREADS, wide: Optional[bool] = None,
-         chunks: Optional[int] = None, split: Optional[int] = None) -> torch.Tensor:
-    """Y (B, out_features) = X W^T on the GPU; see the module docstring."""
-    return _spmm_op("x", x, topo, values, out, False, bt, threads, wide, chunks, split)
+         *, bias: Optional[torch.Tensor] = None, bt: Optional[int] = None, threads: int = _THREADS,
+         wide: Optional[bool] = None, chunks: Optional[int] = None, split: Optional[int] = None) -> torch.Tensor:
+    """Y (B, out_features) = X W^T (+ bias, (out_features,) of x's dtype, added by the kernel when
+    it writes Y) on the GPU; see the module docstring."""
+    return _spmm_op("x", x, topo, values, out, False, bt, threads, wide, chunks, split, bias)
 
 
 def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,

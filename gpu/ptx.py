@@ -1,7 +1,7 @@
 """Compiles every SNACK kernel variant to PTX for a given compute capability, without a GPU.
 
 `compile_all(cc=(9, 0))` returns {kernel name: PTX text} for every variant the launchers can
-pick (batch tiles x dtypes x permuted/atomic flags), so that a machine without a GPU (CI)
+pick (batch tiles x dtypes x permuted/atomic/bias flags), so that a machine without a GPU (CI)
 catches typing errors that Numba's simulator lets through. Needs numba-cuda's NVVM
 (`pip install numba-cuda[cu13]`) and must run with the simulator off.
 Usage: python -m snack.gpu.ptx [--cc 9.0]  (prints one line per kernel with its PTX size and
@@ -29,18 +29,18 @@ def variants():
     out = []
     for kind, el in _ELEM.items():
         for bt in (1, 2, 4, 8):
-            for perm in (False, True):
-                d = kernels.make_spmm_kernel(bt, kind, perm)
+            for perm, bias in ((False, False), (True, False), (False, True)):
+                d = kernels.make_spmm_kernel(bt, kind, perm, bias)
                 out.append((d.py_func.__name__, d,
-                            _sig([el, "int32", "int32", el, "int32", el], 3)))
+                            _sig([el, "int32", "int32", el, "int32", el, el], 3)))
             d = kernels.make_sddmm_kernel(bt, kind)
             out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32"], 3)))
-        for perm in (False, True):
+        for perm, bias in ((False, False), (True, False), (False, True)):
             for atomic in (False, True):
-                d = kernels.make_spmm_wide_kernel(kind, perm, atomic)
+                d = kernels.make_spmm_wide_kernel(kind, perm, atomic, bias)
                 yel = "float32" if atomic else el
                 out.append((d.py_func.__name__, d,
-                            _sig([el, "int32", "int32", el, "int32", yel], 7)))
+                            _sig([el, "int32", "int32", el, "int32", yel, el], 7)))
         d = kernels.make_sddmm_wide_kernel(kind)
         out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32"], 5)))
     return out

@@ -1,6 +1,6 @@
 """Backend dispatch for the three sparse ops, and the topology cache of the layers.
 
-    spmm(x, topo, values, out=None)    x (B, in) contiguous  -> Y (B, out) = X W^T
+    spmm(x, topo, values, out=None, bias=None)  x (B, in) contiguous  -> Y (B, out) = X W^T (+ bias)
     spmm_t(dy, topo, values, out=None) dy (B, out) contiguous -> dX (B, in) = dY W
     sddmm(dy, x, topo, out=None)       -> dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import weakref
 import warnings
 from types import SimpleNamespace
@@ -124,7 +125,7 @@ def _ref_sddmm(dy, x, topo, out=None):
 
 
 _REFERENCE = SimpleNamespace(name="reference", spmm=_ref_spmm, spmm_t=_ref_spmm_t, sddmm=_ref_sddmm,
-                             supports=lambda dtype: True)
+                             supports=lambda dtype: True, fused_bias=False)
 _loaded = {}          # device type -> backend namespace, or _REFERENCE
 _forced: Optional[str] = None
 _warned = set()
@@ -146,8 +147,10 @@ def _wrap(mod, name):
     if not callable(supports):
         dtypes = tuple(getattr(mod, "SUPPORTED_DTYPES", _DEFAULT_DTYPES[name]))
         supports = dtypes.__contains__
+    # a backend whose spmm takes bias= adds it itself (the GPU kernels, as they write Y)
+    fused = "bias" in inspect.signature(mod.spmm).parameters
     return SimpleNamespace(name=name, spmm=mod.spmm, spmm_t=mod.spmm_t, sddmm=mod.sddmm,
-                           supports=supports)
+                           supports=supports, fused_bias=fused)
 
 
 def _load(device_type: str):
@@ -210,12 +213,18 @@ def force_backend(name: str):
 
 
 # ---- the three ops -------------------------------------------------------------------------------
-def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None):
-    """Y (B, out) = X W^T for x (B, in) contiguous; values (nnz,) of x's dtype and device."""
+def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
+         bias: Optional[torch.Tensor] = None):
+    """Y (B, out) = X W^T (+ bias) for x (B, in) contiguous; values (nnz,) and bias (out,) of x's
+    dtype and device. The GPU kernels add the bias as they write Y; other backends add it after."""
     if topo.nnz == 0 or x.shape[0] == 0 or x.shape[1] == 0:
         y = out if out is not None else x.new_empty(x.shape[0], topo.shape[0])
-        return y.zero_()
-    return _backend(x).spmm(x, topo, values, out=out)
+        return y.zero_() if bias is None else y.copy_(bias.expand_as(y))
+    b = _backend(x)
+    if bias is not None and b.fused_bias:
+        return b.spmm(x, topo, values, out=out, bias=bias)
+    y = b.spmm(x, topo, values, out=out)
+    return y if bias is None else y.add_(bias)
 
 
 def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None):

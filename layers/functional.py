@@ -1,7 +1,7 @@
 """sparse_linear: Y = X W^T + b with W a COO matrix, differentiable in x, values and bias.
 
 The autograd Function builds every gradient from the same three backend ops:
-    forward   Y  = spmm(X, W) + b
+    forward   Y  = spmm(X, W) + b  (the GPU kernels add b as they write Y)
     backward  dX = spmm_t(dY, W)      dv = sddmm(dY, X, W)      db = sum_b dY
 so nothing of the dense weight's size (out x in) is allocated, in forward or in backward.
 When no gradient is wanted (torch.no_grad, or nothing requires grad) the forward runs without
@@ -37,9 +37,7 @@ class SparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, values: torch.Tensor, bias: Optional[torch.Tensor], topo: Topology):
-        y = backend.spmm(x, topo, values)
-        if bias is not None:
-            y.add_(bias)
+        y = backend.spmm(x, topo, values, bias=bias)
         ctx.topo = topo
         ctx.has_bias = bias is not None
         need_x, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -90,8 +88,7 @@ def _apply(x2, values, bias, topo):
     if torch.is_grad_enabled() and (x2.requires_grad or values.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return SparseLinearFunction.apply(x2, values, bias, topo)
-    y = backend.spmm(x2, topo, values)
-    return y.add_(bias) if bias is not None else y
+    return backend.spmm(x2, topo, values, bias=bias)
 
 
 def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, out_features: int,

@@ -66,6 +66,25 @@ def test_wide_split_variants(B, chunks, split, dtype, gen):
     _run_all(coo, B, dtype, gen, wide=True, chunks=chunks, split=split)
 
 
+@pytest.mark.parametrize("B,kw,dtype", [
+    (1, {}, torch.float32), (8, {}, torch.float16), (32, {}, torch.float32), (130, {}, torch.bfloat16),
+    (40, {"wide": True, "chunks": 3, "split": 1}, torch.float32),
+])
+def test_forward_with_fused_bias(B, kw, dtype, gen):
+    import snack.gpu as G
+    from snack.core import COO
+    from snack.core.reference import spmm_reference
+    coo = COO.random((517, 4100), density=0.05, generator=gen, device="cuda")
+    x = torch.randn(B, 4100, generator=gen).to(dtype).cuda()
+    bias = torch.randn(517, generator=gen).to(dtype).cuda()
+    v = coo.values.to(dtype)
+    y = torch.full((B, 517), float("nan"), dtype=dtype, device="cuda")
+    G.spmm(x, coo.topology, v, out=y, bias=bias, **kw)
+    ref = spmm_reference(x.double(), coo.topology.indices, v.double(), 517) + bias.double()
+    assert torch.isfinite(y).all()
+    assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
+
+
 @pytest.mark.parametrize("sparsity", [0.9, 0.99])
 @pytest.mark.parametrize("B", [1, 8, 32, 128])
 def test_benchmark_points(sparsity, B, gen):

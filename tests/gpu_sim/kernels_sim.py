@@ -110,6 +110,33 @@ def _check_spmm(coo, B, seed, **kw):
     assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, i)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("B,kw,dtype", [
+    (3, {}, torch.float32),                                  # tiled, BT = 4
+    (9, {}, torch.float16),                                  # tiled, two tiles, fp16
+    (33, {"wide": True, "chunks": 1}, torch.float32),       # wide, one chunk: written once
+    (20, {"wide": True, "chunks": 3}, torch.float32),       # wide, atomics across chunks
+    (12, {"wide": True, "chunks": 2}, torch.bfloat16),      # wide, atomics into an fp32 buffer
+])
+def test_forward_adds_the_bias_in_the_kernel(B, kw, dtype):
+    coo = COO.random((6, 27), density=0.4, seed=B)
+    g = torch.Generator().manual_seed(B)
+    x = torch.randn(B, 27, generator=g).to(dtype)
+    bias = torch.randn(6, generator=g).to(dtype)
+    v = coo.values.to(dtype)
+    y = torch.full((B, 6), float("nan"), dtype=dtype)
+    G.spmm(x, coo.topology, v, out=y, bias=bias, **kw)
+    ref = spmm_reference(x.double(), coo.topology.indices, v.double(), 6) + bias.double()
+    assert _rel(y, ref) < TOL[dtype]
+    # no non-zeros: the output is the bias
+    empty = COO(torch.empty(2, 0, dtype=torch.int32), torch.empty(0), (6, 27))
+    y0 = G.spmm(x, empty.topology, torch.empty(0, dtype=dtype), bias=bias, **kw)
+    assert torch.equal(y0, bias.expand(B, 6))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        G.spmm(x, coo.topology, v, bias=bias[:5])
+    with pytest.raises(TypeError, match="bias has dtype"):
+        G.spmm(x, coo.topology, v, bias=bias.double())
+
+
 def test_wide_kernels_bfloat16_with_chunks():
     coo = COO.random((3, 17), density=0.4, seed=9)
     _check(coo, 9, torch.bfloat16, seed=4, wide=True, chunks=2)
