@@ -1,13 +1,21 @@
-"""Host-overhead profile of one SNACK forward call (B = 1, 4096 x 4096, 90 %): cProfile of 2000
-calls, top entries by own time. Usage (GPU machine): python experiments/profile_launch.py
+"""Host-overhead profiles on the GPU machine (4096 x 4096, 90 %).
+
+    python experiments/profile_launch.py            cProfile of 2000 snack.gpu.spmm calls at B = 1
+                                                    (top entries by own time)
+    python experiments/profile_launch.py --train 32 host time to enqueue each part of an eager
+                                                    training step (SparseLinear vs nn.Linear, Adam)
+The --train numbers are wall time of 200 calls without synchronizing in between (what the host
+spends per call) and with a final synchronize (what the call costs when host and GPU overlap).
 """
+import argparse
 import cProfile
 import pstats
+import time
 
 import torch
 
 
-def main():
+def profile_spmm():
     import snack.gpu as G
     from snack.core import COO
     coo = COO.random((4096, 4096), density=0.1, seed=0, device="cuda")
@@ -22,6 +30,57 @@ def main():
     pr.disable()
     torch.cuda.synchronize()
     pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+
+
+def _timed(fn, n=200):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e6 * (t1 - t0) / n, 1e6 * (time.perf_counter() - t0) / n
+
+
+def profile_train(B: int):
+    import snack
+    torch.manual_seed(0)
+    print(f"{'':8s} {'part':12s} {'host us':>9s} {'wall us':>9s}")
+    for name in ("snack", "dense"):
+        m = (snack.SparseLinear(4096, 4096, sparsity=0.9, device="cuda") if name == "snack"
+             else torch.nn.Linear(4096, 4096, device="cuda"))
+        x = torch.randn(B, 4096, device="cuda", requires_grad=True)
+        dy = torch.randn(B, 4096, device="cuda")
+        opt = torch.optim.Adam(m.parameters(), lr=1e-6)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            x.grad = None
+            m(x).backward(dy)
+            opt.step()
+
+        for _ in range(20):
+            step()
+
+        def infer():
+            with torch.no_grad():
+                m(x)
+        parts = [("step", step), ("forward", lambda: m(x)), ("fwd no_grad", infer),
+                 ("fwd + bwd", lambda: m(x).backward(dy)), ("adam step", opt.step),
+                 ("zero_grad", lambda: opt.zero_grad(set_to_none=True))]
+        for part, fn in parts:
+            host, wall = _timed(fn)
+            print(f"{name:8s} {part:12s} {host:9.1f} {wall:9.1f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", type=int, default=None, metavar="B")
+    args = ap.parse_args()
+    if args.train:
+        profile_train(args.train)
+    else:
+        profile_spmm()
 
 
 if __name__ == "__main__":
