@@ -33,6 +33,7 @@ __all__ = ["spmm", "spmm_t", "sddmm", "choose_tile", "wide_chunks", "WIDE_FROM",
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _THREADS = 32 if launch_mode() == "sim" else 1024  # the simulator runs one OS thread per CUDA thread
+_GPU_ONLY = launch_mode() != "sim"  # the simulator takes CPU tensors
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device):
@@ -40,27 +41,27 @@ def _check_device(name: str, t: torch.Tensor, device: torch.device):
         raise ValueError(f"{name} is on {t.device} but the sparse matrix is on {device}")
 
 
-def _check_common(name: str, t, topo: Topology):
+def _check_common(name: str, t, dev: torch.device):
+    """t is a 2-D float32/float16/bfloat16 tensor on dev, the sparse matrix's device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _KIND:
         raise TypeError(f"{name} must be float32, float16 or bfloat16 on the GPU, got {t.dtype}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D (B, features), got shape {tuple(t.shape)}")
-    dev = topo.device
-    if launch_mode() != "sim" and dev.type != "cuda":
+    if _GPU_ONLY and dev.type != "cuda":
         raise ValueError(f"the sparse matrix must be on a CUDA device for snack.gpu, got {dev}")
     _check_device(name, t, dev)
 
 
-def _check_values(values, topo: Topology, dtype):
+def _check_values(values, nnz: int, dtype, dev: torch.device):
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-    if values.shape != (topo.nnz,):
-        raise ValueError(f"values must have shape ({topo.nnz},), got {tuple(values.shape)}")
+    if values.dim() != 1 or values.shape[0] != nnz:
+        raise ValueError(f"values must have shape ({nnz},), got {tuple(values.shape)}")
     if values.dtype != dtype:
         raise TypeError(f"values has dtype {values.dtype} but the dense operand has {dtype}")
-    _check_device("values", values, topo.device)
+    _check_device("values", values, dev)
 
 
 def _check_out(out, shape, dtype, device):
@@ -197,11 +198,16 @@ def _use_wide(batch: int, wide: Optional[bool], op: str, topo: Topology) -> bool
     return batch >= any_from or (batch >= dense_from and density >= WIDE_DENSITY)
 
 
-def _cached_plan(topo, key, build):
-    """topo.cache[key], built once by build() (a plan may be None: no kernel variant fits)."""
-    if key not in topo.cache:
-        topo.cache[key] = build()
-    return topo.cache[key]
+_NO_PLAN = object()
+
+
+def _cached_plan(topo, key, build, *args):
+    """topo.cache[key], built once by build(topo, *args) (a plan may be None: no kernel variant
+    fits)."""
+    plan = topo.cache.get(key, _NO_PLAN)
+    if plan is _NO_PLAN:
+        plan = topo.cache[key] = build(topo, *args)
+    return plan
 
 
 def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias):
@@ -209,8 +215,8 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     (order, batch, dtype, options, bias or not): (kernel, grid, smem, [index arrays], [scalars],
     atomic?), or None when no variant fits in shared memory (torch fallback)."""
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias),
-                        lambda: _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide,
-                                                 chunks, split, has_bias))
+                        _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
+                        has_bias)
 
 
 def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias):
@@ -238,22 +244,22 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
     return (kern, (ntiles, gy), smem, [ptr, idx, third], [n_rows, n_cols, batch], False)
 
 
-def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, split):
+def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, split, dev):
     """Launches the SpMM (+ bias, added by the kernel) on the CSR order (transposed: the CSC
-    order) of topo into y."""
-    plan = _spmm_plan(topo, transposed, x.shape[0], _KIND[x.dtype], x.device, bt, threads, wide, chunks, split,
+    order) of topo into y; dev is the tensors' device."""
+    plan = _spmm_plan(topo, transposed, x.shape[0], _KIND[x.dtype], dev, bt, threads, wide, chunks, split,
                       bias is not None)
     if plan is None:
         return False
     kern, grid, smem, (a1, a2, a3), scalars, atomic = plan
     target = y
     if atomic:  # partial rows are added: a zeroed fp32 output
-        target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=y.device)
+        target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=dev)
         target.zero_()
     vals = as_kernel_array(values)
     launch(kern, grid, threads, smem,  # without a bias, `values` stands in for the unread argument
            [as_kernel_array(x), a1, a2, vals, a3, as_kernel_array(target),
-            vals if bias is None else as_kernel_array(bias)], scalars, x.device)
+            vals if bias is None else as_kernel_array(bias)], scalars, dev)
     if target is not y:
         y.copy_(target)
     return True
@@ -283,25 +289,30 @@ def _check_bias(bias, n_out: int, dtype, device):
 
 def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, split, bias=None):
     """Shared body of spmm (a = x, W) and spmm_t (a = dy, W^T): validate, allocate, launch."""
-    _check_common(name, a, topo)
+    dev = topo.device
+    _check_common(name, a, dev)
     n_out, n_in = topo.shape
     n_a, n_res, what = (n_out, n_in, "out_features") if transposed else (n_in, n_out, "in_features")
     if a.shape[1] != n_a:
         raise ValueError(f"{name} must have {n_a} columns ({what}), got shape {tuple(a.shape)}")
-    _check_values(values, topo, a.dtype)
+    nnz = topo.nnz
+    _check_values(values, nnz, a.dtype, dev)
     if bias is not None:
-        bias = _check_bias(bias, n_res, a.dtype, topo.device)
-    res = _check_out(out, (a.shape[0], n_res), a.dtype, a.device)
-    if res.numel() == 0:
+        bias = _check_bias(bias, n_res, a.dtype, dev)
+    batch = a.shape[0]
+    res = _check_out(out, (batch, n_res), a.dtype, dev)
+    if batch == 0 or n_res == 0:
         return res
-    if topo.nnz == 0:
+    if nnz == 0:
         return res.zero_() if bias is None else res.copy_(bias.expand_as(res))
-    a = a.contiguous()
-    values = values.contiguous()
-    slices = _batch_slices(a.shape[0], max(n_a, n_res))
+    if not a.is_contiguous():
+        a = a.contiguous()
+    if not values.is_contiguous():
+        values = values.contiguous()
+    slices = _batch_slices(batch, max(n_a, n_res))
     for b0, b1 in slices:
         sa, sr = (a, res) if len(slices) == 1 else (a[b0:b1], res[b0:b1])
-        if not _run_spmm(sa, topo, transposed, values, sr, bias, bt, threads, wide, chunks, split):
+        if not _run_spmm(sa, topo, transposed, values, sr, bias, bt, threads, wide, chunks, split, dev):
             from snack.core import reference
             ref = reference.spmm_t_reference if transposed else reference.spmm_reference
             sr.copy_(ref(sa.float(), topo.indices, values.float(), n_res))
@@ -329,8 +340,8 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
           *, bt: Optional[int] = None, threads: int = _THREADS, wide: Optional[bool] = None,
           chunks: Optional[int] = None) -> torch.Tensor:
     """dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k], on the GPU; see the module docstring."""
-    _check_common("dy", dy, topo)
-    _check_common("x", x, topo)
+    _check_common("dy", dy, topo.device)
+    _check_common("x", x, topo.device)
     n_out, n_in = topo.shape
     if dy.shape[1] != n_out:
         raise ValueError(f"dy must have {n_out} columns (out_features), got shape {tuple(dy.shape)}")
@@ -373,7 +384,7 @@ def _sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks):
     """The SDDMM's launch beyond the per-call tensors, cached on the topology like `_spmm_plan`:
     (kernel, grid, smem, [index arrays], [scalars], needs an fp32 accumulator?) or None."""
     return _cached_plan(topo, ("sddmm_plan", batch, kind, bt, threads, wide, chunks),
-                        lambda: _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks))
+                        _build_sddmm_plan, batch, kind, device, bt, threads, wide, chunks)
 
 
 def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks):
