@@ -85,6 +85,16 @@ def test_forward_with_fused_bias(B, kw, dtype, gen):
     assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_wide_flush_with_more_rows_than_threads(monkeypatch, chunks, gen):
+    # one row block of 1500 rows for 1024 threads: the flush loops over rows one column at a time
+    from snack.gpu import ops
+    from snack.core import COO
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
+    coo = COO.random((1500, 64), density=0.2, generator=gen, device="cuda")
+    _run_all(coo, 40, torch.float32, gen, wide=True, chunks=chunks)
+
+
 @pytest.mark.parametrize("sparsity", [0.9, 0.99])
 @pytest.mark.parametrize("B", [1, 8, 32, 128])
 def test_benchmark_points(sparsity, B, gen):

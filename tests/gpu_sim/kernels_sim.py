@@ -137,6 +137,21 @@ def test_forward_adds_the_bias_in_the_kernel(B, kw, dtype):
         G.spmm(x, coo.topology, v, bias=bias.double())
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_wide_flush_with_more_rows_than_threads(monkeypatch, chunks):
+    # one row block of 70 rows for 32 threads: the flush loops over rows one column at a time
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
+    coo = COO.random((70, 13), density=0.3, seed=chunks)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 13, generator=g)
+    bias = torch.randn(70, generator=g)
+    y = torch.full((40, 70), float("nan"))
+    G.spmm(x, coo.topology, coo.values, out=y, bias=bias, wide=True, chunks=chunks)
+    ref = spmm_reference(x.double(), coo.topology.indices, coo.values.double(), 70) + bias.double()
+    assert _rel(y, ref) < TOL[torch.float32]
+
+
 def test_wide_kernels_bfloat16_with_chunks():
     coo = COO.random((3, 17), density=0.4, seed=9)
     _check(coo, 9, torch.bfloat16, seed=4, wide=True, chunks=2)
