@@ -11,7 +11,8 @@ versions and git commit; `experiments/plot_kernels.py` draws the figures from it
 Also measures host overhead: wall time of 1000 back-to-back forward calls at B = 1 against
 torch.nn.functional.linear with the dense weight.
 
-Usage (GPU machine):  python experiments/bench_kernels.py [--quick] [--out results/bench_kernels.csv]
+Usage (GPU machine):  python experiments/bench_kernels.py [--quick] [--out CSV]
+(--quick: 4096 x 4096, the 12 target points, written to results/bench_kernels_quick.csv)
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--quick", action="store_true", help="4096x4096 only, sparsity 0.9/0.95/0.99, B 1/8/32/128")
     ap.add_argument("--no-eager", action="store_true")
-    ap.add_argument("--out", default="results/bench_kernels.csv")
+    ap.add_argument("--out", default=None,
+                    help="CSV path (default results/bench_kernels.csv, with --quick results/bench_kernels_quick.csv)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -179,6 +181,8 @@ def main(argv=None):
                          nnz=coo.nnz, op="forward_1000_calls_wall", method=name, graph_us="",
                          eager_us=round(overhead[name], 3), rel_err="", roofline_frac=""))
 
+    if args.out is None:
+        args.out = "results/bench_kernels_quick.csv" if args.quick else "results/bench_kernels.csv"
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
