@@ -17,15 +17,17 @@ def main():
             x = torch.randn(B, i, device="cuda", dtype=dt)
             dy = torch.randn(B, o, device="cuda", dtype=dt)
             t, v = coo.topology, coo.values
+            bias = torch.randn(o, device="cuda", dtype=dt)
             yref = spmm_reference(x.double(), t.indices, v.double(), o)
+            ybref = yref + bias.double()
             dxref = spmm_t_reference(dy.double(), t.indices, v.double(), i)
             dvref = sddmm_reference(dy.double(), x.double(), t.indices)
             # the default variant, then the 32-wide kernels forced (one chunk per block with
-            # atomics, and one block looping over small chunks)
+            # atomics, and one block looping over small chunks); the forward with and without bias
             for opts in ({}, {"wide": True}, {"wide": True, "chunks": 3, "split": 1}):
                 sd = {k: w for k, w in opts.items() if k != "split"}
-                for got, ref in ((G.spmm(x, t, v, **opts), yref), (G.spmm_t(dy, t, v, **opts), dxref),
-                                 (G.sddmm(dy, x, t, **sd), dvref)):
+                for got, ref in ((G.spmm(x, t, v, **opts), yref), (G.spmm(x, t, v, bias=bias, **opts), ybref),
+                                 (G.spmm_t(dy, t, v, **opts), dxref), (G.sddmm(dy, x, t, **sd), dvref)):
                     e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     worst = max(worst, e if dt == torch.float32 else e / 100)
     torch.cuda.synchronize()
