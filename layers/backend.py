@@ -148,7 +148,10 @@ def _wrap(mod, name):
         dtypes = tuple(getattr(mod, "SUPPORTED_DTYPES", _DEFAULT_DTYPES[name]))
         supports = dtypes.__contains__
     # a backend whose spmm takes bias= adds it itself (the GPU kernels, as they write Y)
-    fused = "bias" in inspect.signature(mod.spmm).parameters
+    try:
+        fused = "bias" in inspect.signature(mod.spmm).parameters
+    except (TypeError, ValueError):  # no introspectable signature (a builtin): add the bias here
+        fused = False
     return SimpleNamespace(name=name, spmm=mod.spmm, spmm_t=mod.spmm_t, sddmm=mod.sddmm,
                            supports=supports, fused_bias=fused)
 
