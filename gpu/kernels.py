@@ -93,6 +93,18 @@ def _row_count(n_cols):
     return n_cols | 1  # odd row stride: the BT lanes of a group hit BT different banks
 
 
+@cuda.jit(device=True, inline=True)
+def _bounds(p, i, ok):
+    """(p[i], p[i + 1]) when ok, else (0, 0): where row (or row segment) i starts and ends, for a
+    warp that may have no row left."""
+    s = int32(0)
+    e = int32(0)
+    if ok:
+        s = int32(p[uint32(i)])
+        e = int32(p[uint32(i + 1)])
+    return s, e
+
+
 def _make_stage(BT, ld):
     U = max(1, 8 // BT)  # columns per thread per round: U * BT = 8 loads in flight
 
@@ -178,11 +190,7 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False)
         rstride = cuda.gridDim.y * nwarps
         # the first row's bounds and non-zeros are requested before the staging, which hides
         # their latency; later rows are requested while the previous one is processed
-        start = int32(0)
-        end = int32(0)
-        if r < n_rows:
-            start = ptr[r]
-            end = ptr[r + 1]
+        start, end = _bounds(ptr, r, r < n_rows)
         ca, va = load_nz(idx, val, perm, start + lane, end)
         cb, vb = load_nz(idx, val, perm, start + 32 + lane, end)
         stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
@@ -190,11 +198,7 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False)
 
         while r < n_rows:
             rn = r + rstride
-            nstart = int32(0)
-            nend = int32(0)
-            if rn < n_rows:
-                nstart = ptr[rn]
-                nend = ptr[rn + 1]
+            nstart, nend = _bounds(ptr, rn, rn < n_rows)
             acc0 = float32(0.0)
             acc1 = float32(0.0)
             base = start
@@ -480,11 +484,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
             # non-zeros are requested before the staging, the next row's while the current
             # one is processed
             r = r0 + (tid >> 5)
-            s0 = int32(0)
-            s1 = int32(0)
-            if r < r1:
-                s0 = seg[uint32(r * nch + ch)]
-                s1 = seg[uint32(r * nch + ch + 1)]
+            s0, s1 = _bounds(seg, r * nch + ch, r < r1)
             cr, va = load_nz(idx, val, perm, s0 + lane, s1, c0)
             if ch > ch0:
                 cuda.syncthreads()  # the previous chunk is consumed
@@ -492,11 +492,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
             cuda.syncthreads()
             while r < r1:
                 rn = r + nwarps
-                ns0 = int32(0)
-                ns1 = int32(0)
-                if rn < r1:
-                    ns0 = seg[uint32(rn * nch + ch)]
-                    ns1 = seg[uint32(rn * nch + ch + 1)]
+                ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
                 a0 = float32(0.0)
                 a1 = float32(0.0)
                 a2 = float32(0.0)
