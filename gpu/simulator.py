@@ -9,8 +9,8 @@ shuffles and no libdevice. `install()` adds to its fake `cuda` module:
 Trade-off: slow (two barrier waits per shuffle), so simulated shapes stay tiny; the `mask`
 argument is not checked. Used only when the simulator is on. `install()` also shortens the
 interpreter's thread switch interval (sys.setswitchinterval, 5 ms by default) to 0.2 ms: the 32
-threads of a warp then meet at each shuffle's barrier without waiting out a 5 ms time slice, which
-makes the simulated kernels about 4x faster.
+threads of a warp then meet at each shuffle's barrier without waiting out a 5 ms time slice
+(tests/gpu_sim/kernels_sim.py: 12.9 -> 2.1 minutes on 2 cores).
 """
 from __future__ import annotations
 
