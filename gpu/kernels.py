@@ -481,8 +481,9 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
             c0 = int32(ch * cw)
             width = min(int32(cw), int32(n_cols) - c0)
             # rows are software-pipelined: the first row's segment bounds and first 32
-            # non-zeros are requested before the staging, the next row's while the current
-            # one is processed
+            # non-zeros are requested before the staging; the next row's bounds when a row
+            # starts, and its first 32 non-zeros with the row's last step (one stream of
+            # 32-entry steps across the rows)
             r = r0 + (tid >> 5)
             s0, s1 = _bounds(seg, r * nch + ch, r < r1)
             cr, va = load_nz(idx, val, perm, s0 + lane, s1, c0)
@@ -498,9 +499,13 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                 a2 = float32(0.0)
                 a3 = float32(0.0)
                 base = s0
-                ca = _quad_row(cr - c0)
                 while base < s1:
-                    cn, vn = load_nz(idx, val, perm, base + 32 + lane, s1, c0)
+                    ca = _quad_row(cr - c0)
+                    nb = base + 32
+                    # the next step: this row's next 32 non-zeros, or the next row's first 32
+                    nk = nb if nb < s1 else ns0
+                    ne = s1 if nb < s1 else ns1
+                    cr, vn = load_nz(idx, val, perm, nk + lane, ne, c0)
                     left = s1 - base
                     if left >= 32:  # whole step: no per-step test
                         for t in range(0, 32, 4):
@@ -510,10 +515,10 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                         while t < left:
                             a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
                             t = int32(t + 4)
-                    ca = _quad_row(cn - c0)
                     va = vn
-                    base += 32
-                cr, va = load_nz(idx, val, perm, ns0 + lane, ns1, c0)
+                    base = nb
+                if s0 >= s1:  # an empty segment requested nothing: the next row's first step
+                    cr, va = load_nz(idx, val, perm, ns0 + lane, ns1, c0)
                 if s0 < s1:
                     # sum over the 4 groups (transposing: each lane ends with one batch column,
                     # 4k + 2 * bit3 + bit4 of its lane)

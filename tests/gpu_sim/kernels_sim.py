@@ -152,6 +152,24 @@ def test_wide_flush_with_more_rows_than_threads(monkeypatch, chunks):
     assert _rel(y, ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch, chunks):
+    # 2 warps over one row block of 12 rows (6 rows each): segments of several 32-entry steps
+    # (the last one partial), empty rows, and a row with non-zeros in the second chunk only,
+    # so that each warp's stream of steps runs across rows of every kind
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
+    g = torch.Generator().manual_seed(chunks)
+    mask = torch.rand(12, 150, generator=g) < 0.3
+    mask[0] = mask[4] = mask[11] = True     # 150 non-zeros (75 per chunk of two)
+    mask[2] = mask[7] = False               # empty
+    mask[9] = False
+    mask[9, 100:] = True                    # second chunk only
+    idx = mask.nonzero().T.to(torch.int32)
+    coo = COO(idx, torch.randn(idx.shape[1], generator=g), (12, 150))
+    _check(coo, 33, torch.float32, seed=8, wide=True, chunks=chunks, threads=64)
+
+
 def test_wide_kernels_bfloat16_with_chunks():
     coo = COO.random((3, 17), density=0.4, seed=9)
     _check(coo, 9, torch.bfloat16, seed=4, wide=True, chunks=2)

@@ -1,0 +1,36 @@
+"""Launch planning of the GPU ops (no GPU needed): column chunks of the wide kernels and the
+number of row blocks, for an H200's multiprocessor count and shared memory."""
+import pytest
+
+from snack.gpu import ops
+
+H200 = (132, 227 * 1024, 228 * 1024)
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    monkeypatch.setattr(ops, "device_properties", lambda device: H200)
+    ops._grid_rows.cache_clear()
+    yield "cuda:0"
+    ops._grid_rows.cache_clear()
+
+
+def test_wide_chunks_narrow_at_small_batch_when_several_are_needed(h200):
+    assert ops.wide_chunks(4096, h200, batch=32) == (4, 1024, 1024 * 32 * 4)
+    assert ops.wide_chunks(4096, h200, batch=64)[0] == 4
+    assert ops.wide_chunks(4096, h200, batch=128)[:2] == (3, 1368)   # widest chunks that fit
+    assert ops.wide_chunks(4096, h200)[:2] == (3, 1368)
+    assert ops.wide_chunks(1500, h200, batch=32)[:2] == (1, 1504)    # one chunk: no atomics
+    assert ops.wide_chunks(3072, h200, batch=16)[:2] == (3, 1024)
+    assert ops.wide_chunks(4096, h200, chunks=6, batch=32)[:2] == (6, 688)  # explicit
+
+
+def test_wide_grid_counts_registers(h200):
+    # a 1024-thread wide block holds 64 registers per thread: one block per SM even when two
+    # chunks of 88 KB would fit in shared memory
+    assert ops._grid_rows(4096, 6, 688 * 128, h200, 1024, ops._WIDE_REGS) == 22
+    assert ops._grid_rows(4096, 6, 688 * 128, h200, 512, ops._WIDE_REGS) == 44
+    assert ops._grid_rows(4096, 6, 688 * 128, h200, 1024) == 44  # shared memory alone
+    nch, cw, cps, nsplit, gy, rpb, smem = ops._wide_plan(4096, 4096, 32, h200, 1024)
+    assert (nch, cw, nsplit, gy) == (4, 1024, 4, 33) and rpb * gy >= 4096
+    assert smem == 1024 * 128 + rpb * 33 * 4 <= H200[1]
