@@ -9,7 +9,7 @@ and the HBM roofline fraction of the SNACK forward (bytes: 12 per non-zero + 4 *
 over the measured copy bandwidth). Writes a tidy CSV (one row per op and method) with the GPU,
 versions and git commit; `experiments/plot_kernels.py` draws the figures from it.
 Also measures host overhead: wall time of 1000 back-to-back forward calls at B = 1 against
-torch.nn.functional.linear with the dense weight.
+torch.nn.functional.linear with the dense weight (5 rounds, the methods taking turns, median).
 
 Usage (GPU machine):  python experiments/bench_kernels.py [--quick] [--out CSV]
 (--quick: 4096 x 4096, the 12 target points, written to results/bench_kernels_quick.csv)
@@ -21,6 +21,7 @@ import csv
 import os
 import platform
 import subprocess
+import statistics
 import sys
 import time
 
@@ -167,16 +168,22 @@ def main(argv=None):
     coo = COO.random((4096, 4096), density=0.1, generator=gen, dtype=dtype, device=dev)
     W = coo.to_dense()
     x1 = torch.randn(1, 4096, device=dev, dtype=dtype)
-    overhead = {}
-    for name, fn in [("snack", lambda: G.spmm(x1, coo.topology, coo.values)), ("dense", lambda: F.linear(x1, W))]:
+    # (5 rounds, the two methods taking turns; the median round per method)
+    fns = {"snack": lambda: G.spmm(x1, coo.topology, coo.values), "dense": lambda: F.linear(x1, W)}
+    walls = {name: [] for name in fns}
+    for name, fn in fns.items():
         for _ in range(50):
             fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(1000):
-            fn()
-        torch.cuda.synchronize()
-        overhead[name] = (time.perf_counter() - t0) * 1e3  # us per call
+    for _ in range(5):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(1000):
+                fn()
+            torch.cuda.synchronize()
+            walls[name].append((time.perf_counter() - t0) * 1e3)  # us per call
+    overhead = {name: statistics.median(w) for name, w in walls.items()}
+    for name in fns:
         rows.append(dict(meta, shape="4096x4096", out_features=4096, in_features=4096, sparsity=0.9, batch=1,
                          nnz=coo.nnz, op="forward_1000_calls_wall", method=name, graph_us="",
                          eager_us=round(overhead[name], 3), rel_err="", roofline_frac=""))
@@ -189,8 +196,9 @@ def main(argv=None):
         w.writeheader()
         w.writerows(rows)
     print_summary(rows)
-    print(f"host: 1000 forward calls at B=1: snack {overhead['snack']:.1f} us/call, "
-          f"F.linear dense {overhead['dense']:.1f} us/call")
+    print(f"host: 1000 forward calls at B=1 (median of 5 rounds): snack {overhead['snack']:.1f} us/call "
+          f"(rounds {', '.join(f'{w:.1f}' for w in walls['snack'])}), F.linear dense {overhead['dense']:.1f} "
+          f"us/call (rounds {', '.join(f'{w:.1f}' for w in walls['dense'])})")
     print(f"wrote {args.out}")
 
 
