@@ -208,8 +208,14 @@ def _dummy_f32(device) -> torch.Tensor:
 # the H200 (4096 x 4096, experiments/tune_kernels.py): forward at B = 32, 90 %: 23 us wide vs
 # 40 us tiled, 99 %: 14 vs 11; at B = 128, 99 %: 26 vs 31. SDDMM at B = 16, 90 %: 22 vs 24,
 # 99 %: 12 vs 10.5; from B = 32 the wide SDDMM wins at every sparsity (99 %: 13 vs 20).
+# Below B = WIDE_SMALL_BELOW_B the wide SpMMs also need WIDE_MIN_NNZ non-zeros: every block
+# stages a whole chunk of X, a fixed cost that a small matrix does not pay back (H200, 90 %,
+# B = 32, forward tiled vs wide: 768 x 768 5.4 vs 9.0 us, 1024 x 1024 5.9 vs 10.5, 2304 x 768
+# (177 K non-zeros) 12.5 vs 10.1, 768 x 2304 9.3 vs 9.8, 2048 x 2048 (419 K) 16.3 vs 12.9).
 WIDE_FROM = {"spmm": (32, 96), "spmm_t": (32, 96), "sddmm": (16, 32)}
 WIDE_DENSITY = 0.03
+WIDE_MIN_NNZ = 150_000
+WIDE_SMALL_BELOW_B = 64
 
 
 def _use_wide(batch: int, wide: Optional[bool], op: str, topo: Topology) -> bool:
@@ -218,6 +224,8 @@ def _use_wide(batch: int, wide: Optional[bool], op: str, topo: Topology) -> bool
     dense_from, any_from = WIDE_FROM[op]
     n_rows, n_cols = topo.shape
     density = topo.nnz / max(1, n_rows * n_cols)
+    if op != "sddmm" and batch < WIDE_SMALL_BELOW_B and topo.nnz < WIDE_MIN_NNZ:
+        return False
     return batch >= any_from or (batch >= dense_from and density >= WIDE_DENSITY)
 
 

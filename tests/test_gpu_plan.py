@@ -34,3 +34,21 @@ def test_wide_grid_counts_registers(h200):
     nch, cw, cps, nsplit, gy, rpb, smem = ops._wide_plan(4096, 4096, 32, h200, 1024)
     assert (nch, cw, nsplit, gy) == (4, 1024, 4, 33) and rpb * gy >= 4096
     assert smem == 1024 * 128 + rpb * 33 * 4 <= H200[1]
+
+
+def test_wide_kernels_chosen_by_batch_density_and_size():
+    from snack.core import COO
+
+    def topo(shape, density):
+        return COO.random(shape, density=density, seed=0).topology
+
+    big, sparse, small = topo((640, 640), 0.4), topo((640, 640), 0.02), topo((300, 300), 0.4)
+    assert big.nnz >= ops.WIDE_MIN_NNZ > small.nnz
+    assert ops._use_wide(32, None, "spmm", big) and ops._use_wide(32, None, "spmm_t", big)
+    assert not ops._use_wide(16, None, "spmm", big)
+    assert not ops._use_wide(32, None, "spmm", sparse)      # density < WIDE_DENSITY
+    assert ops._use_wide(96, None, "spmm", sparse)
+    assert not ops._use_wide(32, None, "spmm", small)       # few non-zeros below B = 64
+    assert ops._use_wide(64, None, "spmm", small)
+    assert ops._use_wide(16, None, "sddmm", small)          # the wide SDDMM wins from B = 16
+    assert ops._use_wide(8, True, "spmm", small) and not ops._use_wide(128, False, "spmm", big)
