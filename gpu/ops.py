@@ -14,9 +14,11 @@ bytes) must fit the block's limit (227 KB on H100/H200), else BT is halved; if e
 does not fit (in > ~58000) the op falls back to torch index ops. Blocks own a batch tile and a
 range of rows; the grid is sized to fill every SM once. The 32-wide kernels (column chunks,
 conflict-free 16-byte shared-memory reads, one block per chunk with atomics across chunks by
-default) are taken where they measured faster (`WIDE_FROM`, `WIDE_DENSITY`: the SpMMs from
-B = 32 at >= 3 % density and from B = 96 at any; the SDDMM from B = 16 at >= 3 % and from B = 32)
-or when asked (`wide=True`, `chunks=`, `split=`).
+default) are taken where they measured faster (`WIDE_FROM`, `WIDE_DENSITY`, `WIDE_MIN_NNZ`: the
+SpMMs from B = 32 at >= 3 % density with >= 150 K non-zeros below B = 64, and from B = 96 at any;
+the SDDMM from B = 16 at >= 3 % and from B = 32) or when asked (`wide=True`, `chunks=`,
+`split=`); their column chunks are as wide as shared memory allows, or at most
+`WIDE_CHUNK_COLS` columns for B <= 64 when several chunks are needed anyway.
 """
 from __future__ import annotations
 
