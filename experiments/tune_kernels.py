@@ -27,7 +27,7 @@ def main(argv=None):
     ap.add_argument("--batch", default="1,8,32,128")
     ap.add_argument("--bt", default="1,2,4,8", help="batch tiles of the tiled kernels")
     ap.add_argument("--threads", default="256,512,1024")
-    ap.add_argument("--chunks", default="auto,4,8", help="column chunks of the wide kernels")
+    ap.add_argument("--chunks", default="auto,3,4,6,8", help="column chunks of the wide kernels (auto: the default rule)")
     ap.add_argument("--split", default="1,2,auto", help="chunk groups per row block (auto: one chunk per block)")
     ap.add_argument("--wide-from", type=int, default=16, help="smallest B for which wide settings are tried")
     ap.add_argument("--ops", default="fwd,dx,sddmm")
