@@ -517,8 +517,6 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                             t = int32(t + 4)
                     va = vn
                     base = nb
-                if s0 >= s1:  # an empty segment requested nothing: the next row's first step
-                    cr, va = load_nz(idx, val, perm, ns0 + lane, ns1, c0)
                 if s0 < s1:
                     # sum over the 4 groups (transposing: each lane ends with one batch column,
                     # 4k + 2 * bit3 + bit4 of its lane)
@@ -533,6 +531,8 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                     tk += cuda.shfl_xor_sync(FULL_MASK, ts, 16)
                     col = k4 + (2 if hi8 else 0) + (1 if hi16 else 0)
                     xs[uint32(ybase + (r - r0) * 33 + col)] += tk
+                else:  # an empty segment requested nothing: the next row's first step
+                    cr, va = load_nz(idx, val, perm, ns0 + lane, ns1, c0)
                 s0 = ns0
                 s1 = ns1
                 r = rn
