@@ -13,7 +13,8 @@ same random pattern and values in every method:
 it measures
     train      one step: forward, backward (dX and the weight gradient; x requires grad),
                Adam step (capturable=True, so the same step can be captured; --optimizer
-               adam-fused takes torch's fused Adam kernel, for every method)
+               adam-fused takes torch's fused Adam kernel, --optimizer snack-adam
+               snack.optim.Adam; the same optimizer for every method)
     infer      forward under torch.no_grad()
 as eager time (triton.testing.do_bench: median, L2 flushed; what a user's call costs,
 host overhead included), CUDA-graph time (the whole step captured in torch.cuda.graph, replays
@@ -73,9 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup_ms", type=int, default=25)
     p.add_argument("--rep_ms", type=int, default=200)
     p.add_argument("--energy_seconds", type=float, default=2.0)
-    p.add_argument("--optimizer", default="adam", choices=["adam", "adam-fused"],
+    p.add_argument("--optimizer", default="adam", choices=["adam", "adam-fused", "snack-adam"],
                    help="the training step's optimizer, the same for every method: torch.optim.Adam "
-                        "with its default (foreach) implementation, or fused=True")
+                        "with its default (foreach) implementation, or fused=True, or snack.optim.Adam")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small layer, few repeats: a smoke test")
     p.add_argument("--out", default=None, help="CSV path (default results/bench_layer[_cpu].csv)")
@@ -276,7 +277,10 @@ def energy_per_step(g, handle, seconds: float) -> tuple:
 
 
 def make_adam(model: nn.Module, args, capturable: bool = False) -> torch.optim.Optimizer:
-    """Adam (lr 1e-6) in the implementation --optimizer names: torch's default (foreach) or fused."""
+    """Adam (lr 1e-6) in the implementation --optimizer names: torch's default (foreach), torch's
+    fused, or snack.optim.Adam (its GPU step is capturable whatever `capturable` says)."""
+    if args.optimizer == "snack-adam":
+        return snack.optim.Adam(model.parameters(), lr=1e-6, capturable=capturable)
     return torch.optim.Adam(model.parameters(), lr=1e-6, capturable=capturable,
                             fused=True if args.optimizer == "adam-fused" else None)
 
@@ -426,7 +430,7 @@ def main(argv=None) -> List[dict]:
                       f"{r['graph_check']}", file=sys.stderr, flush=True)
     add_ratios(rows)
     common = dict(in_features=args.in_features, out_features=args.out_features, sparsity=args.sparsity,
-                  nnz=ref.nnz, dtype="float32", **env)
+                  nnz=ref.nnz, dtype="float32", optimizer=args.optimizer, **env)
     rows = [{**common, **r} for r in rows]
     print_table(rows, env, args)
     out = Path(args.out)

@@ -1,4 +1,4 @@
-"""Runs every SNACK kernel variant once on small odd shapes and checks the results; meant to be run
+"""Runs every SNACK kernel variant (and the fused Adam step) once on small odd shapes and checks the results; meant to be run
 under `compute-sanitizer --tool memcheck` and `--tool racecheck` on the GPU machine.
 """
 from __future__ import annotations
@@ -30,6 +30,20 @@ def main():
                                  (G.spmm_t(dy, t, v, **opts), dxref), (G.sddmm(dy, x, t, **sd), dvref)):
                     e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     worst = max(worst, e if dt == torch.float32 else e / 100)
+    # the fused Adam step (AdamW's decay too) against torch's, several grid-stride rounds
+    for cls in (torch.optim.Adam, torch.optim.AdamW):
+        p = torch.randn(300_001, device="cuda")
+        ref = p.clone().requires_grad_()
+        opt = cls([ref], lr=0.01, weight_decay=0.1)
+        m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros((), device="cuda")
+        for _ in range(2):
+            grad = torch.randn_like(p)
+            ref.grad = grad.clone()
+            opt.step()
+            step += 1
+            G.adam_step(p, grad, m, v, step, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                        decoupled=cls is torch.optim.AdamW)
+        worst = max(worst, ((p - ref.detach()).norm() / ref.norm()).item())
     torch.cuda.synchronize()
     print(f"sanitize run done, worst scaled relative error {worst:.2e}")
     assert worst < 1e-4

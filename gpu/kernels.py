@@ -31,8 +31,9 @@ Dtype kinds: 0 = float32, 1 = float16, 2 = bfloat16 (int16 bits). Accumulation i
 from __future__ import annotations
 
 import functools
+import math
 
-from numba import config, cuda, float32, int16, int32, uint32
+from numba import config, cuda, float32, float64, int16, int32, uint32
 from numba.types import float16
 
 FULL_MASK = 0xFFFFFFFF
@@ -682,3 +683,51 @@ def make_sddmm_wide_kernel(kind: int):
 
     sddmm_wide.__name__ = f"snack_sddmm_wide_{KINDS[kind]}"
     return _jit(sddmm_wide, launch_bounds=(1024,))
+
+
+# ---- optimizer ------------------------------------------------------------------------------------
+ADAM_THREADS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def make_adam_kernel(decoupled: bool):
+    """One Adam step on fp32 tensors, elementwise, as torch.optim.Adam computes it (AdamW's
+    decoupled weight decay when `decoupled`):
+        g += wd p (Adam) | p *= 1 - lr wd (AdamW);  m += (1 - b1)(g - m);  v = b2 v + (1 - b2) g^2
+        p -= lr / (1 - b1^s) * m / (sqrt(v) / sqrt(1 - b2^s) + eps)
+    with s the step count read from `step` (already incremented for this step).
+
+    Signature: (p, g, m, v, step, n, lr, beta1, beta2, eps, wd); p, g, m, v fp32 (n,), step fp32 (1,).
+    Launch: 1-D grid-stride, ADAM_THREADS threads per block.
+    """
+    DECOUPLED = decoupled
+
+    def adam(p, g, m, v, step, n, lr, beta1, beta2, eps, wd):
+        s = float64(step[0])
+        step_size = float32(lr / (1.0 - math.pow(beta1, s)))
+        bc2_sqrt = float32(math.sqrt(1.0 - math.pow(beta2, s)))
+        w1 = float32(1.0 - beta1)
+        b2 = float32(beta2)
+        w2 = float32(1.0 - beta2)
+        epsf = float32(eps)
+        wdf = float32(wd)
+        decay = float32(1.0 - lr * wd)
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < n:
+            gi = g[i]
+            pi = p[i]
+            if DECOUPLED:
+                pi *= decay
+            elif wdf != 0:
+                gi += wdf * pi
+            mi = m[i]
+            mi += w1 * (gi - mi)
+            vi = v[i] * b2 + w2 * gi * gi
+            m[i] = mi
+            v[i] = vi
+            p[i] = pi - step_size * mi / (math.sqrt(vi) / bc2_sqrt + epsf)
+            i += stride
+
+    adam.__name__ = f"snack_adam{'w' if decoupled else ''}_f32"
+    return cuda.jit(adam)

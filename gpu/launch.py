@@ -11,8 +11,9 @@ Three paths, chosen once per process:
   slow but simple reference path (SNACK_LAUNCH=numba selects it, for debugging).
 - "sim": Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) on CPU tensors viewed as numpy arrays;
   used by the tests on machines without a GPU.
-Every kernel argument is a 1-D C-contiguous array or an int64 scalar; bfloat16 tensors are
-passed as their int16 bits (Numba has no bfloat16 array type).
+Every kernel argument is a 1-D C-contiguous array or a scalar (a Python int is passed as int64, a
+Python float as float64); bfloat16 tensors are passed as their int16 bits (Numba has no bfloat16
+array type).
 Trade-off: the driver path relies on Numba's kernel ABI and its compiled-kernel handle; a
 mismatch is caught at start-up by a self-check against the dispatcher path (see `self_check`).
 """
@@ -117,7 +118,7 @@ class _DriverKernel:
             i += 7
         for a, v in enumerate(scalars):
             if last[self.n_arrays + a] != v:
-                s[i] = v
+                s[i] = _scalar_bits(v)
                 last[self.n_arrays + a] = v
             i += 1
         if block > self.max_threads:  # register-heavy variants: fewer threads, same result
@@ -150,14 +151,26 @@ _driver_kernels = {}
 _numba_streams = {}
 
 
-def _numba_sig(arrays, n_scalars):
+def _scalar_bits(v) -> int:
+    """The 8 bytes of a kernel's scalar argument as an int64 (a float as its float64 bits)."""
+    if isinstance(v, float):
+        return int(np.float64(v).view(np.int64))
+    return v
+
+
+def _scalar(v):
+    """A scalar argument as Numba's dispatcher takes it: float64 for a float, else int64."""
+    return np.float64(v) if isinstance(v, float) else np.int64(v)
+
+
+def _numba_sig(arrays, scalars):
     from numba import types
     from numba.np.numpy_support import from_dtype
     tys = []
     for t in arrays:
         npdt = np.dtype(str(t.dtype).replace("torch.", ""))
         tys.append(types.Array(from_dtype(npdt), 1, "C"))
-    tys += [types.int64] * n_scalars
+    tys += [types.float64 if isinstance(v, float) else types.int64 for v in scalars]
     return tuple(tys)
 
 
@@ -168,13 +181,14 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 def launch(dispatcher, grid, block, smem, arrays, scalars, device):
     """Launches `dispatcher` (a numba.cuda.jit kernel) on torch's current stream.
 
-    arrays: 1-D contiguous tensors (see `as_kernel_array`); scalars: Python ints (int64 args).
+    arrays: 1-D contiguous tensors (see `as_kernel_array`); scalars: Python ints (int64 args) or floats
+    (float64 args).
     grid: (gx, gy) or (gx, gy, gz); block: threads per block (1-D); smem: dynamic shared memory in bytes.
     """
     mode = launch_mode()
     if mode == "sim":
         nps = [t.numpy() for t in arrays]
-        dispatcher[grid, block, 0, smem](*nps, *[np.int64(v) for v in scalars])
+        dispatcher[grid, block, 0, smem](*nps, *[_scalar(v) for v in scalars])
         return
     stream_ptr = _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     if mode == "driver":
@@ -184,7 +198,7 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
             with _lock:
                 k = _driver_kernels.get(key)
                 if k is None:
-                    sig = _numba_sig(arrays, len(scalars))
+                    sig = _numba_sig(arrays, scalars)
                     k = _DriverKernel(dispatcher, sig, len(arrays), len(scalars),
                                       device_properties(device)[1])
                     _driver_kernels[key] = k
@@ -197,8 +211,8 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
         _numba_streams[stream_ptr] = st
     cas = [cuda.as_cuda_array(t) for t in arrays]
     if smem > 48 * 1024:
-        _numba_raise_smem(dispatcher, _numba_sig(arrays, len(scalars)), device)
-    dispatcher[grid, block, st, smem](*cas, *[np.int64(v) for v in scalars])
+        _numba_raise_smem(dispatcher, _numba_sig(arrays, scalars), device)
+    dispatcher[grid, block, st, smem](*cas, *[_scalar(v) for v in scalars])
 
 
 _numba_smem_done = set()

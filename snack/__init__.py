@@ -6,18 +6,20 @@ backend otherwise).
 
     snack.SparseLinear, snack.sparsify, snack.functional.sparse_linear, snack.COO
     snack.dst.SET / snack.dst.RigL (dynamic sparse training, when installed)
-`snack.functional` and `snack.dst` are aliases of `snack.layers.functional` / `snack.layers.dst`,
-so `import snack.functional` works too.
+    snack.optim.Adam / snack.optim.AdamW (torch's Adam with a fused full-occupancy GPU step)
+`snack.functional`, `snack.dst` and `snack.optim` are aliases of `snack.layers.functional`,
+`snack.layers.dst` and `snack.layers.optim`, so `import snack.functional` works too.
 """
 import importlib as _importlib
 import sys as _sys
 
 from snack.core import COO
-from snack.layers import functional
+from snack.layers import functional, optim
 from snack.layers.linear import SparseLinear
 from snack.layers.sparsify import sparsify
 
 _sys.modules.setdefault(__name__ + ".functional", functional)
+_sys.modules.setdefault(__name__ + ".optim", optim)
 
 try:
     dst = _importlib.import_module("snack.layers.dst")
@@ -28,6 +30,6 @@ else:
     _sys.modules.setdefault(__name__ + ".dst", dst)
 
 __version__ = "0.1.0"
-__all__ = ["COO", "SparseLinear", "sparsify", "functional", "__version__"]
+__all__ = ["COO", "SparseLinear", "sparsify", "functional", "optim", "__version__"]
 if "dst" in globals():
     __all__.append("dst")

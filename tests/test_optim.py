@@ -1,0 +1,159 @@
+"""snack.optim.Adam / AdamW: torch's Adam with a fused GPU step. On the CPU (and for anything the
+kernel does not cover) step() is torch's own; on the GPU (marked `gpu`) the kernel path matches
+torch's optimizer, survives CUDA-graph capture and works with snack.dst. The kernel itself is also
+run under Numba's simulator (tests/gpu_sim/kernels_sim.py)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import snack
+
+
+def _model(device="cpu"):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(snack.SparseLinear(24, 16, sparsity=0.7), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 5)).to(device)
+
+
+def _run(model, opt, steps=4, device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(7, 24, generator=g).to(device)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("name,kw", [("Adam", {}), ("Adam", {"weight_decay": 0.1, "amsgrad": True}),
+                                     ("AdamW", {"weight_decay": 0.05})])
+def test_cpu_steps_are_torchs(name, kw):
+    a, b = _model(), _model()
+    _run(a, getattr(snack.optim, name)(a.parameters(), lr=0.01, **kw))
+    _run(b, getattr(torch.optim, name)(b.parameters(), lr=0.01, **kw))
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_subclass_of_torchs_and_closure_returns_loss():
+    assert issubclass(snack.optim.Adam, torch.optim.Adam)
+    assert issubclass(snack.optim.AdamW, torch.optim.AdamW)
+    m = _model()
+    opt = snack.optim.Adam(m.parameters(), lr=0.1)
+    x = torch.randn(3, 24)
+
+    def closure():
+        opt.zero_grad()
+        loss = m(x).sum()
+        loss.backward()
+        return loss
+    before = m[0].values.detach().clone()
+    loss = opt.step(closure)
+    assert torch.is_tensor(loss) and not torch.equal(before, m[0].values)
+    assert opt.step() is None   # no closure: None, as torch's
+
+
+def test_bad_arguments_are_torchs():
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        snack.optim.Adam(_model().parameters(), lr=-1.0)
+    with pytest.raises(ValueError, match="beta"):
+        snack.optim.AdamW(_model().parameters(), betas=(1.5, 0.9))
+
+
+# ---- GPU -------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kw", [("Adam", {}), ("Adam", {"weight_decay": 0.1}),
+                                     ("AdamW", {"weight_decay": 0.05, "betas": (0.8, 0.9)})])
+def test_gpu_kernel_path_matches_torch(name, kw):
+    a, b = _model("cuda"), _model("cuda")
+    oa = getattr(snack.optim, name)(a.parameters(), lr=0.01, **kw)
+    ob = getattr(torch.optim, name)(b.parameters(), lr=0.01, **kw)
+    _run(a, oa, 5, "cuda")
+    _run(b, ob, 5, "cuda")
+    assert oa._work() is not None        # the kernel path was the one taken
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for p, q in zip(a.parameters(), b.parameters()):
+        sa, sb = oa.state[p], ob.state[q]
+        assert sa["step"].is_cuda and float(sa["step"]) == float(sb["step"]) == 5
+        torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.gpu
+def test_gpu_large_values_tensor_and_fallbacks():
+    # 1.7 M values (many grid-stride rounds); float16 parameters and amsgrad take torch's step
+    torch.manual_seed(2)
+    layer = snack.SparseLinear(4096, 4096, sparsity=0.9, device="cuda")
+    twin = copy.deepcopy(layer)
+    oa, ob = snack.optim.Adam(layer.parameters(), lr=1e-3), torch.optim.Adam(twin.parameters(), lr=1e-3)
+    x = torch.randn(8, 4096, device="cuda")
+    for m, o in ((layer, oa), (twin, ob)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    torch.testing.assert_close(layer.values, twin.values, rtol=1e-5, atol=1e-7)
+    for kw, dtype in (({"amsgrad": True}, torch.float32), ({}, torch.float16)):
+        a = snack.SparseLinear(64, 32, sparsity=0.5, device="cuda", dtype=dtype)
+        b = copy.deepcopy(a)
+        o1, o2 = snack.optim.Adam(a.parameters(), lr=0.01, **kw), torch.optim.Adam(b.parameters(), lr=0.01, **kw)
+        for m, o in ((a, o1), (b, o2)):
+            m(torch.ones(2, 64, device="cuda", dtype=dtype)).float().sum().backward()
+            o.step()
+        assert o1._work() is None
+        assert torch.equal(a.values, b.values)
+
+
+@pytest.mark.gpu
+def test_gpu_step_captured_in_a_cuda_graph():
+    model = _model("cuda")
+    twin = copy.deepcopy(model)
+    opt = snack.optim.Adam(model.parameters(), lr=0.01)
+    ref = snack.optim.Adam(twin.parameters(), lr=0.01)
+    x = torch.randn(7, 24, device="cuda")
+
+    def step(m, o):
+        o.zero_grad(set_to_none=False)
+        m(x).square().mean().backward()
+        o.step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(model, opt)               # state created before capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step(model, opt)
+    for _ in range(4):
+        g.replay()
+    for _ in range(5):                 # 1 warm-up + the captured step (not run at capture) + 4 replays
+        step(twin, ref)
+    torch.cuda.synchronize()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert float(opt.state[model[0].values]["step"]) == 5
+
+
+@pytest.mark.gpu
+def test_gpu_dst_keeps_moments_of_survivors():
+    model = _model("cuda")
+    opt = snack.optim.Adam(model.parameters(), lr=0.01)
+    dst = snack.dst.SET(model, opt, update_every=1, drop_fraction=0.3, decay="constant", seed=0)
+    layer = model[0]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(5, 24, generator=g).cuda()
+        opt.zero_grad()
+        F.mse_loss(model(x), torch.zeros(5, 5, device="cuda")).backward()
+        opt.step()
+        keys = (layer.indices[0].long() * 24 + layer.indices[1].long()).clone()
+        m_old = opt.state[layer.values]["exp_avg"].clone()
+        dst.step()
+        nk = layer.indices[0].long() * 24 + layer.indices[1].long()
+        surv_new, surv_old = torch.isin(nk, keys), torch.isin(keys, nk)
+        st = opt.state[layer.values]
+        assert bool((~surv_new).any())
+        assert torch.equal(st["exp_avg"][surv_new], m_old[surv_old])
+        assert bool((st["exp_avg"][~surv_new] == 0).all()) and bool((st["exp_avg_sq"][~surv_new] == 0).all())
