@@ -3,7 +3,9 @@
     python experiments/profile_launch.py            cProfile of 2000 snack.gpu.spmm calls at B = 1
                                                     (top entries by own time)
     python experiments/profile_launch.py --train 32 host time to enqueue each part of an eager
-                                                    training step (SparseLinear vs nn.Linear, Adam)
+                                                    training step (SparseLinear vs nn.Linear, Adam;
+                                                    --optimizer snack-adam: snack.optim.Adam;
+                                                    --cprofile: then a cProfile of SNACK's step)
 The --train numbers are wall time of 200 calls without synchronizing in between (what the host
 spends per call) and with a final synchronize (what the call costs when host and GPU overlap).
 """
@@ -42,7 +44,7 @@ def _timed(fn, n=200):
     return 1e6 * (t1 - t0) / n, 1e6 * (time.perf_counter() - t0) / n
 
 
-def profile_train(B: int):
+def profile_train(B: int, optimizer: str = "adam", cprofile: bool = False):
     import snack
     torch.manual_seed(0)
     print(f"{'':8s} {'part':12s} {'host us':>9s} {'wall us':>9s}")
@@ -51,7 +53,7 @@ def profile_train(B: int):
              else torch.nn.Linear(4096, 4096, device="cuda"))
         x = torch.randn(B, 4096, device="cuda", requires_grad=True)
         dy = torch.randn(B, 4096, device="cuda")
-        opt = torch.optim.Adam(m.parameters(), lr=1e-6)
+        opt = (snack.optim.Adam if optimizer == "snack-adam" else torch.optim.Adam)(m.parameters(), lr=1e-6)
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -71,14 +73,25 @@ def profile_train(B: int):
         for part, fn in parts:
             host, wall = _timed(fn)
             print(f"{name:8s} {part:12s} {host:9.1f} {wall:9.1f}")
+        if cprofile and name == "snack":
+            torch.cuda.synchronize()
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(500):
+                step()
+            pr.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(30)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", type=int, default=None, metavar="B")
+    ap.add_argument("--optimizer", default="adam", choices=["adam", "snack-adam"])
+    ap.add_argument("--cprofile", action="store_true")
     args = ap.parse_args()
     if args.train:
-        profile_train(args.train)
+        profile_train(args.train, args.optimizer, args.cprofile)
     else:
         profile_spmm()
 

@@ -25,7 +25,7 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["launch_mode", "launch", "as_kernel_array", "device_properties"]
+__all__ = ["launch_mode", "launch", "zero", "as_kernel_array", "device_properties"]
 
 _SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 _lock = threading.Lock()
@@ -149,6 +149,29 @@ def _libcuda_launch():
 
 _driver_kernels = {}
 _numba_streams = {}
+_memset = None
+
+
+def zero(t: torch.Tensor) -> torch.Tensor:
+    """t.zero_() for a contiguous tensor of 4-byte elements, on the driver path as one
+    cuMemsetD32Async on torch's current stream (about 1 us of host time instead of the ~10 us of
+    a torch op; capturable like a kernel)."""
+    if launch_mode() != "driver" or t.element_size() != 4 or not t.is_contiguous() or not t.is_cuda:
+        return t.zero_()
+    global _memset
+    if _memset is None:
+        import ctypes
+        f = ctypes.CDLL("libcuda.so.1").cuMemsetD32Async
+        f.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+        f.restype = ctypes.c_int
+        _memset = f
+    n = t.numel()
+    if n:
+        idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        err = _memset(t.data_ptr(), 0, n, _raw_stream(idx))
+        if err != 0:
+            raise RuntimeError(f"SNACK memset failed with CUDA driver error {err}")
+    return t
 
 
 def _scalar_bits(v) -> int:

@@ -29,7 +29,7 @@ import torch
 
 from snack.core.coo import Topology
 from . import kernels
-from .launch import as_kernel_array, device_properties, launch, launch_mode
+from .launch import as_kernel_array, device_properties, launch, launch_mode, zero
 
 __all__ = ["spmm", "spmm_t", "sddmm", "choose_tile", "wide_chunks", "WIDE_FROM", "WIDE_DENSITY"]
 
@@ -288,7 +288,7 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
     target = y
     if atomic:  # partial rows are added: a zeroed fp32 output
         target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=dev)
-        target.zero_()
+        zero(target)
     vals = as_kernel_array(values)
     launch(kern, grid, threads, smem,  # without a bias, `values` stands in for the unread argument
            [as_kernel_array(x), a1, a2, vals, a3, as_kernel_array(target),
