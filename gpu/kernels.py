@@ -12,6 +12,10 @@ xs[c * BT + j] = X[b0 + j, c] (fp32, whatever the input dtype), then each warp w
    Y[b0 + j, r] once (one write per output element, no atomics);
  - the next 32 non-zeros are loaded before the current ones are used (software pipelining).
 BT = 1 is the classic CSR-vector kernel (lanes over non-zeros) for B = 1.
+The lane-owned variant (`make_spmm_own_kernel`, the default for BT = 4 and 8) drops the groups:
+every lane owns its two non-zeros of a warp step and keeps BT accumulators, reading the BT
+staged values of its column; no shuffle per non-zero (the MIO pipe was the limit: ncu at 95 %,
+B = 8, had MIO throttle as the first stall reason), and a transposing butterfly per row.
 The transposed SpMM is the same kernel run on the column-sorted order (CSC of W = CSR of W^T),
 with the values read through the column permutation (`perm`), so no per-call gather.
 SDDMM uses the same staging; each group owns one non-zero at a time, multiplies its BT batch
@@ -241,6 +245,137 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False)
             r = rn
 
     spmm.__name__ = f"snack_spmm_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
+    return cuda.jit(spmm)
+
+
+@functools.lru_cache(maxsize=None)
+def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False):
+    """The tiled SpMM of make_spmm_kernel (same signature, launch and shared memory) for BT in
+    {2, 4, 8}, with lanes that own their non-zeros: each lane keeps BT accumulators (one per
+    batch column of the tile) and multiplies its own two non-zeros of a warp step by the BT
+    staged X values of their columns, so no shuffle broadcasts a non-zero; at the end of a row a
+    transposing butterfly (BT - 1 + 5 - log2 BT shuffles) leaves the sum of batch column j in
+    lanes j * 32 / BT, which write Y.
+    """
+    if bt not in (2, 4, 8):
+        raise ValueError(f"batch tile must be 2, 4 or 8, got {bt}")
+    BT = bt
+    ld = _LOADERS[kind]
+    cv = _CONVERTERS[kind]
+    HAS_PERM = has_perm
+    HAS_BIAS = has_bias
+    stage = _make_stage(BT, ld)
+    # the butterfly stage that halves BT accumulators to `h` exchanges across lanes `off` apart
+    OFF4 = 16                                      # 8 -> 4 (BT = 8 only)
+    OFF2 = 16 if BT == 4 else 8                    # 4 -> 2
+    OFF1 = 16 if BT == 2 else (8 if BT == 4 else 4)  # 2 -> 1; then plain halving below OFF1
+
+    @cuda.jit(device=True, inline=True)
+    def load_nz(idx, val, perm, k, end):
+        c = int32(0)
+        v = float32(0.0)
+        if k < end:
+            c = idx[uint32(k)]
+            if HAS_PERM:
+                v = ld(val, uint32(perm[uint32(k)]))
+            else:
+                v = ld(val, uint32(k))
+        return c, v
+
+    @cuda.jit(device=True, inline=True)
+    def half(lo, hi, up, off):
+        """One butterfly stage on a pair of accumulators: lanes with the stage's bit keep `hi`,
+        the others `lo`; each adds the partner lane's other one."""
+        keep = hi if up else lo
+        send = lo if up else hi
+        return keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
+
+    def spmm(x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch):
+        xs = cuda.shared.array(0, dtype=float32)
+        buf = cuda.local.array(8, dtype=float32)
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        b0 = cuda.blockIdx.x * BT
+        stride = _row_count(n_cols)
+        s1 = uint32(stride)
+        s2 = uint32(2 * stride)
+        s3 = uint32(3 * stride)
+        s4 = uint32(4 * stride)
+        lane = tid & 31
+        nwarps = nthreads >> 5
+        r = cuda.blockIdx.y * nwarps + (tid >> 5)
+        rstride = cuda.gridDim.y * nwarps
+        start, end = _bounds(ptr, r, r < n_rows)
+        ca, va = load_nz(idx, val, perm, start + lane, end)
+        cb, vb = load_nz(idx, val, perm, start + 32 + lane, end)
+        stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
+        cuda.syncthreads()
+        j = lane // OFF1
+        while r < n_rows:
+            rn = r + rstride
+            nstart, nend = _bounds(ptr, rn, rn < n_rows)
+            # accumulator k: batch column b0 + k (k < BT; the others stay 0 and unused)
+            a0 = float32(0.0)
+            a1 = float32(0.0)
+            a2 = float32(0.0)
+            a3 = float32(0.0)
+            a4 = float32(0.0)
+            a5 = float32(0.0)
+            a6 = float32(0.0)
+            a7 = float32(0.0)
+            base = start
+            while base < end:
+                nb = base + 64
+                na, nva = load_nz(idx, val, perm, nb + lane, end)
+                nbb, nvb = load_nz(idx, val, perm, nb + 32 + lane, end)
+                xa = uint32(ca)
+                xb = uint32(cb)
+                a0 += va * xs[xa] + vb * xs[xb]
+                a1 += va * xs[xa + s1] + vb * xs[xb + s1]
+                if BT >= 4:
+                    a2 += va * xs[xa + s2] + vb * xs[xb + s2]
+                    a3 += va * xs[xa + s3] + vb * xs[xb + s3]
+                if BT == 8:
+                    xa4 = xa + s4
+                    xb4 = xb + s4
+                    a4 += va * xs[xa4] + vb * xs[xb4]
+                    a5 += va * xs[xa4 + s1] + vb * xs[xb4 + s1]
+                    a6 += va * xs[xa4 + s2] + vb * xs[xb4 + s2]
+                    a7 += va * xs[xa4 + s3] + vb * xs[xb4 + s3]
+                ca = na
+                va = nva
+                cb = nbb
+                vb = nvb
+                base = nb
+            ca, va = load_nz(idx, val, perm, nstart + lane, nend)
+            cb, vb = load_nz(idx, val, perm, nstart + 32 + lane, nend)
+            # transposing butterfly: each stage halves the accumulators a lane keeps
+            if BT == 8:
+                up = (lane & OFF4) != 0
+                a0 = half(a0, a4, up, OFF4)
+                a1 = half(a1, a5, up, OFF4)
+                a2 = half(a2, a6, up, OFF4)
+                a3 = half(a3, a7, up, OFF4)
+            if BT >= 4:
+                up = (lane & OFF2) != 0
+                a0 = half(a0, a2, up, OFF2)
+                a1 = half(a1, a3, up, OFF2)
+            tot = half(a0, a1, (lane & OFF1) != 0, OFF1)
+            off = OFF1 >> 1
+            while off > 0:
+                tot += cuda.shfl_xor_sync(FULL_MASK, tot, off)
+                off >>= 1
+            b = b0 + j
+            if (lane & (OFF1 - 1)) == 0 and b < batch:
+                if HAS_BIAS:
+                    tot += ld(bias, uint32(r))
+                y[b * n_rows + r] = cv(tot)
+            start = nstart
+            end = nend
+            r = rn
+
+    spmm.__name__ = (f"snack_spmm_own_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}"
+                     f"{'_bias' if has_bias else ''}")
     return cuda.jit(spmm)
 
 

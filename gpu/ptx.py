@@ -33,6 +33,10 @@ def variants():
                 d = kernels.make_spmm_kernel(bt, kind, perm, bias)
                 out.append((d.py_func.__name__, d,
                             _sig([el, "int32", "int32", el, "int32", el, el], 3)))
+                if bt > 1:
+                    d = kernels.make_spmm_own_kernel(bt, kind, perm, bias)
+                    out.append((d.py_func.__name__, d,
+                                _sig([el, "int32", "int32", el, "int32", el, el], 3)))
             d = kernels.make_sddmm_kernel(bt, kind)
             out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32"], 3)))
         for perm, bias in ((False, False), (True, False), (False, True)):

@@ -52,3 +52,20 @@ def test_wide_kernels_chosen_by_batch_density_and_size():
     assert ops._use_wide(64, None, "spmm", small)
     assert ops._use_wide(16, None, "sddmm", small)          # the wide SDDMM wins from B = 16
     assert ops._use_wide(8, True, "spmm", small) and not ops._use_wide(128, False, "spmm", big)
+
+
+@pytest.mark.parametrize("transposed,batch,own", [
+    (False, 1, False), (False, 2, False), (False, 4, True), (False, 8, True), (False, 20, True),
+    (True, 1, False), (True, 2, True), (True, 3, True), (True, 8, True)])
+def test_tiled_kernel_variant_by_batch_tile(h200, transposed, batch, own):
+    # lanes own their non-zeros for BT = 4 and 8, and for BT = 2 in the transposed SpMM only
+    from snack.core import COO
+    from snack.gpu import kernels
+    topo = COO.random((50, 70), density=0.1, seed=1).topology
+    kern = ops._build_spmm_plan(topo, transposed, batch, 0, "cuda:0", None, 1024, False, None, None, False)[0]
+    name = kern.py_func.__name__
+    assert ("_own_" in name) == own, name
+    assert name.startswith("snack_spmm_")
+    bt = min(8, 1 << (batch - 1).bit_length())
+    maker = kernels.make_spmm_own_kernel if own else kernels.make_spmm_kernel
+    assert kern is maker(bt, 0, transposed, False)
