@@ -6,6 +6,9 @@
                                                     training step (SparseLinear vs nn.Linear, Adam;
                                                     --optimizer snack-adam: snack.optim.Adam;
                                                     --cprofile: then a cProfile of SNACK's step)
+    python experiments/profile_launch.py --kernels 32 GPU time per kernel of a captured training
+                                                    step (torch.profiler over 20 graph replays),
+                                                    SNACK and dense, each Adam implementation
 The --train numbers are wall time of 200 calls without synchronizing in between (what the host
 spends per call) and with a final synchronize (what the call costs when host and GPU overlap).
 """
@@ -84,13 +87,72 @@ def profile_train(B: int, optimizer: str = "adam", cprofile: bool = False):
             pstats.Stats(pr).sort_stats("tottime").print_stats(30)
 
 
+def profile_kernels(B: int):
+    import snack
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    for opt_name in ("snack-adam", "adam", "adam-fused"):
+        for name in ("snack", "dense"):
+            m = (snack.SparseLinear(4096, 4096, sparsity=0.9, device="cuda") if name == "snack"
+                 else torch.nn.Linear(4096, 4096, device="cuda"))
+            x = torch.randn(B, 4096, device="cuda", requires_grad=True)
+            dy = torch.randn(B, 4096, device="cuda")
+            if opt_name == "snack-adam":
+                opt = snack.optim.Adam(m.parameters(), lr=1e-6)
+            else:
+                opt = torch.optim.Adam(m.parameters(), lr=1e-6, capturable=True,
+                                       fused=True if opt_name == "adam-fused" else None)
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                x.grad = None
+                m(x).backward(dy)
+                opt.step()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            for _ in range(20):
+                g.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(200):
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                times.append(1e3 * start.elapsed_time(end))
+            times.sort()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    g.replay()
+                torch.cuda.synchronize()
+            print(f"=== {name} layer, {opt_name}: replay median {times[len(times) // 2]:.1f} us")
+            total = 0.0
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+                if e.device_time_total <= 0:
+                    continue
+                total += e.device_time_total / 20
+                print(f"  {e.device_time_total / 20:8.1f} us/step  {e.count / 20:4.1f} per step  {e.key[:100]}")
+            print(f"  sum of kernels {total:.1f} us/step")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", type=int, default=None, metavar="B")
     ap.add_argument("--optimizer", default="adam", choices=["adam", "snack-adam"])
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--kernels", type=int, default=None, metavar="B")
     args = ap.parse_args()
-    if args.train:
+    if args.kernels:
+        profile_kernels(args.kernels)
+    elif args.train:
         profile_train(args.train, args.optimizer, args.cprofile)
     else:
         profile_spmm()
