@@ -162,7 +162,8 @@ def plot(rows, sparsity, out):
 
     fig.suptitle(f"one layer {r0['out_features']} x {r0['in_features']}, sparsity {sparsity:g}, fp32 - "
                  f"{r0.get('device_name', '')}, torch {r0.get('torch', '')}, commit {r0.get('commit', '')}, "
-                 f"SNACK backend {r0.get('snack_backend', '')}", fontsize=10)
+                 f"SNACK backend {r0.get('snack_backend', '')}"
+                 + (f", optimizer {r0['optimizer']} for every method" if r0.get("optimizer") else ""), fontsize=10)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
