@@ -12,11 +12,10 @@ Variant choice: the batch tile BT is the smallest power of two >= B, at most 8; 
 (and BT = 2 in the transposed SpMM, `LANE_OWNED_TILES`) each lane owns its non-zeros and keeps BT
 accumulators, otherwise a warp holds 32 / BT groups that stream different non-zeros of a row; the
 shared-memory tile (in * BT * 4 bytes) must fit the block's limit (227 KB on H100/H200), else BT
-is halved; if even BT = 1
-does not fit (in > ~58000) the op falls back to torch index ops. Blocks own a batch tile and a
-range of rows; the grid is sized to fill every SM once. The 32-wide kernels (column chunks,
-conflict-free 16-byte shared-memory reads, one block per chunk with atomics across chunks by
-default) are taken where they measured faster (`WIDE_FROM`, `WIDE_DENSITY`, `WIDE_MIN_NNZ`: the
+is halved; if even BT = 1 does not fit (in > ~58000) the op falls back to torch index ops.
+Blocks own a batch tile and a range of rows; the grid is sized to fill every SM once. The
+32-wide kernels (column chunks, conflict-free 16-byte shared-memory reads, one block per chunk
+with atomics across chunks by default) are taken where they measured faster (`WIDE_FROM`, `WIDE_DENSITY`, `WIDE_MIN_NNZ`: the
 SpMMs from B = 32 at >= 3 % density with >= 150 K non-zeros below B = 64, and from B = 96 at any;
 the SDDMM from B = 16 at >= 3 % and from B = 32) or when asked (`wide=True`, `chunks=`,
 `split=`); their column chunks are as wide as shared memory allows, or at most
