@@ -308,3 +308,35 @@ def test_snack_optimizer_kernel_path_matches_torch(name):
     fresh = getattr(torch.optim, name)(groups(twin), lr=0.01)
     fresh.load_state_dict(ours.state_dict())  # same layout: loads into torch's optimizer
     assert torch.equal(fresh.state[twin[0].values]["exp_avg"], sv["exp_avg"])
+
+
+def test_snack_optimizer_resumes_torch_state_and_skips_params_without_grad():
+    # a checkpoint of torch's Adam (CPU step counts) continues under snack.optim.Adam exactly as
+    # under torch's; a parameter without a gradient is left alone; a non-contiguous gradient
+    # makes the step torch's own
+    import snack
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(snack.SparseLinear(10, 6, sparsity=0.5), torch.nn.Linear(6, 3))
+    frozen = torch.nn.Parameter(torch.randn(5))
+    twin, twin_frozen = copy.deepcopy(model), frozen.detach().clone().requires_grad_()
+    x = torch.randn(4, 10)
+    ref = torch.optim.Adam(list(twin.parameters()) + [twin_frozen], lr=0.02)
+    for _ in range(2):
+        ref.zero_grad()
+        twin(x).square().sum().backward()
+        ref.step()
+    model.load_state_dict(twin.state_dict())
+    ours = snack.optim.Adam(list(model.parameters()) + [frozen], lr=0.02)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))   # a checkpoint: no shared tensors
+    for m, o in ((model, ours), (twin, ref)):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        if o is ours:
+            assert o._work() is not None and frozen.grad is None
+        o.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.equal(frozen, twin_frozen) and float(ours.state[model[0].values]["step"]) == 3
+    w = model[1].weight
+    w.grad = torch.randn(3, 6).t().contiguous().t()          # right shape, not contiguous
+    assert ours._work() is None
