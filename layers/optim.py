@@ -13,7 +13,8 @@ on a sparse layer's values (1.7 M of them at 4096 x 4096 and 90 % sparsity).
 
 The step is capturable in a CUDA graph whatever `capturable` says (the step counts live on the
 parameters' device), as long as the state exists before capture (one eager step), as with
-torch's optimizers. Anything the kernel does not cover (CPU or non-float32 parameters, sparse
+torch's optimizers. The hyper-parameters are read at every eager step (learning-rate schedulers
+work as with torch's); a captured graph replays those of the step it captured. Anything the kernel does not cover (CPU or non-float32 parameters, sparse
 gradients, amsgrad, maximize, differentiable, a tensor learning rate) makes `step()` run torch's
 own implementation for that call, with the same results.
 """
