@@ -59,6 +59,33 @@ def test_tiled_kernels_float32(shape, B, density):
     _check(coo, B, torch.float32, seed=7)
 
 
+@pytest.mark.parametrize("B", [1, 2, 3, 8, 11])
+def test_tiled_rows_of_several_steps_and_several_rows_per_warp(monkeypatch, B):
+    # one block of 2 warps walks all rows (each warp takes every other row, requesting the next
+    # row's non-zeros during the current one); rows of 150, 0, 64, 65, 1, 0 and 130 non-zeros:
+    # several 64-entry steps, the last one partial or exactly full, empty rows in between.
+    # Every tiled variant: BT = 1 / 2 / 4 / 8 / two tiles, shuffle and lane-owned kernels.
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
+    monkeypatch.setattr(ops, "_THREADS", 64)
+    g = torch.Generator().manual_seed(B)
+    rows, cols = [], []
+    for r, n in enumerate((150, 0, 64, 65, 1, 0, 130)):
+        c = torch.randperm(300, generator=g)[:n]
+        rows.append(torch.full((n,), r))
+        cols.append(c)
+    idx = torch.stack([torch.cat(rows), torch.cat(cols)])
+    coo = COO(idx, torch.randn(idx.shape[1], generator=g), (7, 300))
+    x = torch.randn(B, 300, generator=g)
+    dy = torch.randn(B, 7, generator=g)
+    t, v = coo.topology, coo.values
+    kw = dict(threads=64, wide=False)
+    y = G.spmm(x, t, v, out=torch.full((B, 7), float("nan")), **kw)
+    dx = G.spmm_t(dy, t, v, out=torch.full((B, 300), float("nan")), **kw)
+    assert _rel(y, spmm_reference(x.double(), t.indices, v.double(), 7)) < TOL[torch.float32]
+    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, v.double(), 300)) < TOL[torch.float32]
+
+
 def test_empty_rows_and_columns_and_unsorted_input():
     # rows 1 and 3 and columns 0, 5 empty; given in shuffled order
     idx = torch.tensor([[4, 0, 2, 0, 4, 2], [1, 2, 3, 4, 6, 2]])
