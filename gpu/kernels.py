@@ -149,6 +149,33 @@ def _make_stage(BT, ld):
     return stage
 
 
+def _make_load_step(ld, has_perm):
+    HAS_PERM = has_perm
+
+    @cuda.jit(device=True, inline=True)
+    def load_nz(idx, val, perm, k, end):
+        """(column, value) of CSR entry k (the value read through perm when has_perm), or (0, 0)
+        past the row's end."""
+        c = int32(0)
+        v = float32(0.0)
+        if k < end:
+            c = idx[uint32(k)]
+            if HAS_PERM:
+                v = ld(val, uint32(perm[uint32(k)]))
+            else:
+                v = ld(val, uint32(k))
+        return c, v
+
+    @cuda.jit(device=True, inline=True)
+    def load_step(idx, val, perm, k, end):
+        """A lane's two non-zeros of a 64-entry warp step (entries k and k + 32):
+        (column, value, column, value)."""
+        ca, va = load_nz(idx, val, perm, k, end)
+        cb, vb = load_nz(idx, val, perm, k + 32, end)
+        return ca, va, cb, vb
+    return load_step
+
+
 @functools.lru_cache(maxsize=None)
 def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False):
     """Y[b, r] = sum_k val[k] X[b, idx[k]] (+ bias[r]) over the CSR rows r; see the module docstring.
@@ -163,21 +190,9 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False)
     BT = bt
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
-    HAS_PERM = has_perm
+    load_step = _make_load_step(ld, has_perm)
     HAS_BIAS = has_bias
     stage = _make_stage(BT, ld)
-
-    @cuda.jit(device=True, inline=True)
-    def load_nz(idx, val, perm, k, end):
-        c = int32(0)
-        v = float32(0.0)
-        if k < end:
-            c = idx[uint32(k)]
-            if HAS_PERM:
-                v = ld(val, uint32(perm[uint32(k)]))
-            else:
-                v = ld(val, uint32(k))
-        return c, v
 
     def spmm(x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch):
         xs = cuda.shared.array(0, dtype=float32)
@@ -196,8 +211,7 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False)
         # the first row's bounds and non-zeros are requested before the staging, which hides
         # their latency; later rows are requested while the previous one is processed
         start, end = _bounds(ptr, r, r < n_rows)
-        ca, va = load_nz(idx, val, perm, start + lane, end)
-        cb, vb = load_nz(idx, val, perm, start + 32 + lane, end)
+        ca, va, cb, vb = load_step(idx, val, perm, start + lane, end)
         stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
         cuda.syncthreads()
 
@@ -209,8 +223,7 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False)
             base = start
             while base < end:
                 nb = base + 64
-                na, nva = load_nz(idx, val, perm, nb + lane, end)
-                nbb, nvb = load_nz(idx, val, perm, nb + 32 + lane, end)
+                na, nva, nbb, nvb = load_step(idx, val, perm, nb + lane, end)
                 if G == 32:
                     # BT == 1: each lane owns its non-zeros, no broadcast needed
                     acc0 += va * xs[uint32(ca)]
@@ -228,8 +241,7 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False)
                 cb = nbb
                 vb = nvb
                 base = nb
-            ca, va = load_nz(idx, val, perm, nstart + lane, nend)
-            cb, vb = load_nz(idx, val, perm, nstart + 32 + lane, nend)
+            ca, va, cb, vb = load_step(idx, val, perm, nstart + lane, nend)
             acc = acc0 + acc1
             off = BT
             while off < 32:
@@ -262,25 +274,13 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
     BT = bt
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
-    HAS_PERM = has_perm
+    load_step = _make_load_step(ld, has_perm)
     HAS_BIAS = has_bias
     stage = _make_stage(BT, ld)
     # the butterfly stage that halves BT accumulators to `h` exchanges across lanes `off` apart
     OFF4 = 16                                      # 8 -> 4 (BT = 8 only)
     OFF2 = 16 if BT == 4 else 8                    # 4 -> 2
     OFF1 = 16 if BT == 2 else (8 if BT == 4 else 4)  # 2 -> 1; then plain halving below OFF1
-
-    @cuda.jit(device=True, inline=True)
-    def load_nz(idx, val, perm, k, end):
-        c = int32(0)
-        v = float32(0.0)
-        if k < end:
-            c = idx[uint32(k)]
-            if HAS_PERM:
-                v = ld(val, uint32(perm[uint32(k)]))
-            else:
-                v = ld(val, uint32(k))
-        return c, v
 
     @cuda.jit(device=True, inline=True)
     def half(lo, hi, up, off):
@@ -306,8 +306,7 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
         r = cuda.blockIdx.y * nwarps + (tid >> 5)
         rstride = cuda.gridDim.y * nwarps
         start, end = _bounds(ptr, r, r < n_rows)
-        ca, va = load_nz(idx, val, perm, start + lane, end)
-        cb, vb = load_nz(idx, val, perm, start + 32 + lane, end)
+        ca, va, cb, vb = load_step(idx, val, perm, start + lane, end)
         stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
         cuda.syncthreads()
         j = lane // OFF1
@@ -326,8 +325,7 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
             base = start
             while base < end:
                 nb = base + 64
-                na, nva = load_nz(idx, val, perm, nb + lane, end)
-                nbb, nvb = load_nz(idx, val, perm, nb + 32 + lane, end)
+                na, nva, nbb, nvb = load_step(idx, val, perm, nb + lane, end)
                 xa = uint32(ca)
                 xb = uint32(cb)
                 a0 += va * xs[xa] + vb * xs[xb]
@@ -347,8 +345,7 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
                 cb = nbb
                 vb = nvb
                 base = nb
-            ca, va = load_nz(idx, val, perm, nstart + lane, nend)
-            cb, vb = load_nz(idx, val, perm, nstart + 32 + lane, nend)
+            ca, va, cb, vb = load_step(idx, val, perm, nstart + lane, nend)
             # transposing butterfly: each stage halves the accumulators a lane keeps
             if BT == 8:
                 up = (lane & OFF4) != 0
