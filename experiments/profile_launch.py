@@ -15,9 +15,15 @@ spends per call) and with a final synchronize (what the call costs when host and
 import argparse
 import cProfile
 import pstats
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
 
 
 def profile_spmm():
@@ -90,6 +96,7 @@ def profile_train(B: int, optimizer: str = "adam", cprofile: bool = False):
 def profile_kernels(B: int):
     import snack
     from torch.profiler import ProfilerActivity, profile
+    from experiments.bench_layer import _events_us, capture, make_adam, make_step
     torch.manual_seed(0)
     for opt_name in ("snack-adam", "adam", "adam-fused"):
         for name in ("snack", "dense"):
@@ -97,43 +104,16 @@ def profile_kernels(B: int):
                  else torch.nn.Linear(4096, 4096, device="cuda"))
             x = torch.randn(B, 4096, device="cuda", requires_grad=True)
             dy = torch.randn(B, 4096, device="cuda")
-            if opt_name == "snack-adam":
-                opt = snack.optim.Adam(m.parameters(), lr=1e-6)
-            else:
-                opt = torch.optim.Adam(m.parameters(), lr=1e-6, capturable=True,
-                                       fused=True if opt_name == "adam-fused" else None)
-
-            def step():
-                opt.zero_grad(set_to_none=True)
-                x.grad = None
-                m(x).backward(dy)
-                opt.step()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                step()
+            opt = make_adam(m, argparse.Namespace(optimizer=opt_name), capturable=True)
+            g, _ = capture(make_step(m, "train", x, dy, opt))
             for _ in range(20):
                 g.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(200):
-                start.record()
-                g.replay()
-                end.record()
-                end.synchronize()
-                times.append(1e3 * start.elapsed_time(end))
-            times.sort()
+            median_us = _events_us(g.replay, None, n=200)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(20):
                     g.replay()
                 torch.cuda.synchronize()
-            print(f"=== {name} layer, {opt_name}: replay median {times[len(times) // 2]:.1f} us")
+            print(f"=== {name} layer, {opt_name}: replay median {median_us:.1f} us")
             total = 0.0
             for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
                 if e.device_time_total <= 0:
