@@ -20,6 +20,7 @@ own implementation for that call, with the same results.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, List, Optional
 
 import torch
@@ -27,9 +28,10 @@ import torch
 __all__ = ["Adam", "AdamW"]
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel_device_type() -> Optional[str]:
     """The device type whose tensors snack.gpu's kernels take here ('cuda', or 'cpu' under Numba's
-    simulator), or None when they cannot run."""
+    simulator), or None when they cannot run; found once per process, not at every step."""
     try:
         from snack import gpu
     except Exception:  # numba-cuda missing or broken: torch's implementation only
