@@ -53,22 +53,24 @@ def _timed(fn, n=200):
     return 1e6 * (t1 - t0) / n, 1e6 * (time.perf_counter() - t0) / n
 
 
-def profile_train(B: int, optimizer: str = "adam", cprofile: bool = False):
+def _layer_step(name: str, B: int, optimizer: str, capturable: bool):
+    """(layer, x, dy, Adam, training step) for `name` ('snack': SparseLinear 4096 x 4096 at 90%,
+    'dense': nn.Linear) at batch B, with bench_layer's optimizer choice and step."""
     import snack
+    from experiments.bench_layer import make_adam, make_step
+    m = (snack.SparseLinear(4096, 4096, sparsity=0.9, device="cuda") if name == "snack"
+         else torch.nn.Linear(4096, 4096, device="cuda"))
+    x = torch.randn(B, 4096, device="cuda", requires_grad=True)
+    dy = torch.randn(B, 4096, device="cuda")
+    opt = make_adam(m, argparse.Namespace(optimizer=optimizer), capturable=capturable)
+    return m, x, dy, opt, make_step(m, "train", x, dy, opt)
+
+
+def profile_train(B: int, optimizer: str = "adam", cprofile: bool = False):
     torch.manual_seed(0)
     print(f"{'':8s} {'part':12s} {'host us':>9s} {'wall us':>9s}")
     for name in ("snack", "dense"):
-        m = (snack.SparseLinear(4096, 4096, sparsity=0.9, device="cuda") if name == "snack"
-             else torch.nn.Linear(4096, 4096, device="cuda"))
-        x = torch.randn(B, 4096, device="cuda", requires_grad=True)
-        dy = torch.randn(B, 4096, device="cuda")
-        opt = (snack.optim.Adam if optimizer == "snack-adam" else torch.optim.Adam)(m.parameters(), lr=1e-6)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            x.grad = None
-            m(x).backward(dy)
-            opt.step()
+        m, x, dy, opt, step = _layer_step(name, B, optimizer, capturable=False)
 
         for _ in range(20):
             step()
@@ -94,18 +96,13 @@ def profile_train(B: int, optimizer: str = "adam", cprofile: bool = False):
 
 
 def profile_kernels(B: int):
-    import snack
     from torch.profiler import ProfilerActivity, profile
-    from experiments.bench_layer import _events_us, capture, make_adam, make_step
+    from experiments.bench_layer import _events_us, capture
     torch.manual_seed(0)
     for opt_name in ("snack-adam", "adam", "adam-fused"):
         for name in ("snack", "dense"):
-            m = (snack.SparseLinear(4096, 4096, sparsity=0.9, device="cuda") if name == "snack"
-                 else torch.nn.Linear(4096, 4096, device="cuda"))
-            x = torch.randn(B, 4096, device="cuda", requires_grad=True)
-            dy = torch.randn(B, 4096, device="cuda")
-            opt = make_adam(m, argparse.Namespace(optimizer=opt_name), capturable=True)
-            g, _ = capture(make_step(m, "train", x, dy, opt))
+            step = _layer_step(name, B, opt_name, capturable=True)[4]  # keeps the layer alive
+            g, _ = capture(step)
             for _ in range(20):
                 g.replay()
             median_us = _events_us(g.replay, None, n=200)
