@@ -51,6 +51,20 @@ KINDS = {0: "float32", 1: "float16", 2: "bfloat16"}
 BATCH_TILES = (1, 2, 4, 8, 16, 32)
 
 
+if _SIM:
+    @cuda.jit(device=True, inline=True)
+    def _loads_before_stores():
+        pass  # the simulator has no syncwarp and no instruction scheduling
+else:
+    @cuda.jit(device=True, inline=True)
+    def _loads_before_stores():
+        """A warp barrier between a staging round's global loads and its shared-memory stores:
+        the compiler cannot move a store above it, so every load of the round is in flight
+        before the first store waits for its value (without it the JIT interleaved loads and
+        stores, ~4 loads in flight; H200, 90 %, B = 32 forward 22.9 -> 22.0 us)."""
+        cuda.syncwarp()
+
+
 @cuda.jit(device=True, inline=True)
 def _ld_f32(a, i):
     return a[i]
@@ -129,11 +143,13 @@ def _make_stage(BT, ld):
             nt = int32(nthreads)
             g = int32(b0 * n_cols) + c
             last = n32 - int32((U - 1) * nthreads)
-            while c < last:
+            up = int32(31 - (tid & 31))  # c + up: the warp's last lane (the loop is warp-uniform)
+            while c + up < last:
                 # unsigned offsets: Numba adds no negative-index wraparound to unsigned indices
                 for u in range(U):
                     for j in range(BT):
                         buf[u * BT + j] = ld(x, uint32(g + int32(j * n32 + u * nt)))
+                _loads_before_stores()  # the loop is warp-uniform
                 for u in range(U):
                     for j in range(BT):
                         xs[uint32(c + int32(j * s32 + u * nt))] = buf[u * BT + j]
@@ -523,6 +539,7 @@ def _make_stage_quad(ld):
                 for kk in range(8):
                     buf[kk] = ld(x, uint32(src + int32(kk) * rs))
                     buf[kk + 8] = ld(x, uint32(src + step + int32(kk) * rs))
+                _loads_before_stores()  # the loop is warp-uniform
                 for kk in range(8):
                     xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
                     xs[uint32((dst + (step << 5)) | ((kk ^ u) << 2))] = buf[kk + 8]
@@ -617,15 +634,15 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
             # non-zeros are requested before the staging; the next row's bounds when a row
             # starts, and its first 32 non-zeros with the row's last step (one stream of
             # 32-entry steps across the rows)
-            r = r0 + (tid >> 5)
+            r = int32(r0 + (tid >> 5))
             s0, s1 = _bounds(seg, r * nch + ch, r < r1)
-            cr, va = load_nz(idx, val, perm, s0 + lane, s1, c0)
+            cr, va = load_nz(idx, val, perm, int32(s0 + lane), s1, c0)
             if ch > ch0:
                 cuda.syncthreads()  # the previous chunk is consumed
             stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
             cuda.syncthreads()
             while r < r1:
-                rn = r + nwarps
+                rn = int32(r + nwarps)
                 ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
                 a0 = float32(0.0)
                 a1 = float32(0.0)
@@ -633,13 +650,13 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                 a3 = float32(0.0)
                 base = s0
                 while base < s1:
-                    ca = _quad_row(cr - c0)
-                    nb = base + 32
+                    ca = _quad_row(int32(cr - c0))
+                    nb = int32(base + 32)
                     # the next step: this row's next 32 non-zeros, or the next row's first 32
                     nk = nb if nb < s1 else ns0
                     ne = s1 if nb < s1 else ns1
-                    cr, vn = load_nz(idx, val, perm, nk + lane, ne, c0)
-                    left = s1 - base
+                    cr, vn = load_nz(idx, val, perm, int32(nk + lane), ne, c0)
+                    left = int32(s1 - base)
                     if left >= 32:  # whole step: no per-step test
                         for t in range(0, 32, 4):
                             a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
@@ -665,7 +682,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                     col = k4 + (2 if hi8 else 0) + (1 if hi16 else 0)
                     xs[uint32(ybase + (r - r0) * 33 + col)] += tk
                 else:  # an empty segment requested nothing: the next row's first step
-                    cr, va = load_nz(idx, val, perm, ns0 + lane, ns1, c0)
+                    cr, va = load_nz(idx, val, perm, int32(ns0 + lane), ns1, c0)
                 s0 = ns0
                 s1 = ns1
                 r = rn
@@ -726,8 +743,8 @@ def make_sddmm_wide_kernel(kind: int):
         xs = cuda.shared.array(0, dtype=float32, alignment=16)
         p = cuda.local.array(8, dtype=float32)
         buf = cuda.local.array(16, dtype=float32)
-        tid = cuda.threadIdx.x
-        nthreads = cuda.blockDim.x
+        tid = int32(cuda.threadIdx.x)
+        nthreads = int32(cuda.blockDim.x)
         ch = cuda.blockIdx.x
         c0 = ch * cw
         width = min(cw, n_cols - c0)
@@ -747,20 +764,20 @@ def make_sddmm_wide_kernel(kind: int):
             cuda.syncthreads()
             first = tile == 0
             last = tile == ntiles - 1
-            r = cuda.blockIdx.y * nwarps + (tid >> 5)
-            rstride = cuda.gridDim.y * nwarps
+            r = int32(int32(cuda.blockIdx.y) * nwarps + (tid >> 5))
+            rstride = int32(int32(cuda.gridDim.y) * nwarps)
             while r < n_rows:
                 s0 = seg[uint32(r * nch + ch)]
                 s1 = seg[uint32(r * nch + ch + 1)]
                 if s0 == s1:
-                    r += rstride
+                    r = int32(r + rstride)
                     continue
                 # dY[b0 + 4k + i, r] for this lane's 4 batch columns
                 d0 = float32(0.0)
                 d1 = float32(0.0)
                 d2 = float32(0.0)
                 d3 = float32(0.0)
-                bb = b0 + k4
+                bb = int32(b0 + k4)
                 if bb < batch:
                     d0 = ld(dy, uint32(bb * n_rows + r))
                 if bb + 1 < batch:
@@ -774,7 +791,7 @@ def make_sddmm_wide_kernel(kind: int):
                 if base + lane < s1:
                     cl = _quad_row(int32(idx[uint32(base + lane)] - c0))
                 while base < s1:
-                    kn = base + 32 + lane
+                    kn = int32(base + 32 + lane)
                     cn = int32(c0)  # the next column; its row offset is taken after this step
                     if kn < s1:
                         cn = int32(idx[uint32(kn)])
@@ -801,7 +818,7 @@ def make_sddmm_wide_kernel(kind: int):
                     keep = p[1] if up1 else p[0]
                     send = p[0] if up1 else p[1]
                     tot = keep + cuda.shfl_xor_sync(FULL_MASK, send, 1)
-                    k = base + kme
+                    k = int32(base + kme)
                     if k < s1:
                         if not first:
                             tot += dvacc[uint32(k)]
@@ -809,9 +826,9 @@ def make_sddmm_wide_kernel(kind: int):
                             dv[uint32(k)] = cv(tot)
                         else:
                             dvacc[uint32(k)] = tot
-                    base += 32
+                    base = int32(base + 32)
                     cl = _quad_row(cn - int32(c0))
-                r += rstride
+                r = int32(r + rstride)
 
     sddmm_wide.__name__ = f"snack_sddmm_wide_{KINDS[kind]}"
     return _jit(sddmm_wide, launch_bounds=(1024,))
