@@ -263,7 +263,8 @@ def test_cuda_matches_dense(lead, in_f, out_f, sparsity):
     y = layer(x)
     w = layer.to_dense().detach().double().requires_grad_()
     xd = x.detach().double().requires_grad_()
-    yd = F.linear(xd, w, layer.bias.detach().double())
+    bd = layer.bias.detach().double().requires_grad_()
+    yd = F.linear(xd, w, bd)
     assert_close_dtype(y, yd)
     dy = torch.randn_like(y)
     y.backward(dy)
@@ -271,6 +272,7 @@ def test_cuda_matches_dense(lead, in_f, out_f, sparsity):
     assert_close_dtype(x.grad, xd.grad)
     r, c = layer.indices.long()
     assert_close_dtype(layer.values.grad, w.grad[r, c])
+    assert_close_dtype(layer.bias.grad, bd.grad)  # one GEMV on CUDA
 
 
 @pytest.mark.gpu
