@@ -167,7 +167,10 @@ def zero(t: torch.Tensor) -> torch.Tensor:
         _memset = f
     n = t.numel()
     if n:
-        idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        idx = t.device.index if t.device.index is not None else _current_device()
+        if idx != _current_device():
+            with torch.cuda.device(idx):
+                return zero(t)
         err = _memset(t.data_ptr(), 0, n, _raw_stream(idx))
         if err != 0:
             raise RuntimeError(f"SNACK memset failed with CUDA driver error {err}")
@@ -199,6 +202,7 @@ def _numba_sig(arrays, scalars):
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda idx: torch.cuda.current_stream(idx).cuda_stream)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def launch(dispatcher, grid, block, smem, arrays, scalars, device):
@@ -213,17 +217,25 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
         nps = [t.numpy() for t in arrays]
         dispatcher[grid, block, 0, smem](*nps, *[_scalar(v) for v in scalars])
         return
-    stream_ptr = _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    idx = device.index if device.index is not None else _current_device()
+    if idx != _current_device():
+        # the driver launches in the calling thread's current context: make it the tensors' GPU
+        with torch.cuda.device(idx):
+            return launch(dispatcher, grid, block, smem, arrays, scalars, device)
+    stream_ptr = _raw_stream(idx)
     if mode == "driver":
-        key = (id(dispatcher), arrays[0].dtype, arrays[-1].dtype, arrays[-2].dtype)
+        # per device: the shared-memory limit is a per-device attribute of a kernel
+        key = (id(dispatcher), idx, arrays[0].dtype, arrays[-1].dtype, arrays[-2].dtype)
         k = _driver_kernels.get(key)
         if k is None:
             with _lock:
                 k = _driver_kernels.get(key)
                 if k is None:
+                    from numba import cuda
                     sig = _numba_sig(arrays, scalars)
-                    k = _DriverKernel(dispatcher, sig, len(arrays), len(scalars),
-                                      device_properties(device)[1])
+                    with cuda.gpus[idx]:  # Numba loads the module into this device's context
+                        k = _DriverKernel(dispatcher, sig, len(arrays), len(scalars),
+                                          device_properties(device)[1])
                     _driver_kernels[key] = k
         k(grid, block, smem, arrays, scalars, stream_ptr)
         return
@@ -258,8 +270,10 @@ def _set_max_dynamic_smem(handle, max_smem: int):
 
 
 def _numba_raise_smem(dispatcher, sig, device):
-    key = (id(dispatcher), sig)
+    key = (id(dispatcher), sig, device.index)
     if key in _numba_smem_done:
         return
-    _set_max_dynamic_smem(_kernel_handle(dispatcher, sig), device_properties(device)[1])
+    from numba import cuda
+    with cuda.gpus[device.index if device.index is not None else _current_device()]:
+        _set_max_dynamic_smem(_kernel_handle(dispatcher, sig), device_properties(device)[1])
     _numba_smem_done.add(key)
