@@ -1,13 +1,13 @@
-"""snack.gpu: Numba CUDA kernels for SNACK-COO (SpMM, transposed SpMM, SDDMM), the bias gradient, a
-fused Adam step, and their launchers.
+"""snack.gpu: Numba CUDA kernels for SNACK-COO (SpMM, transposed SpMM, SDDMM), a fused Adam step, and
+their launchers.
 
 Knows nothing of autograd or nn.Module. Tensors in, tensors out, on torch's current stream.
 """
 from .launch import launch_mode
-from .ops import spmm, spmm_t, sddmm, bias_grad, choose_tile
+from .ops import spmm, spmm_t, sddmm, choose_tile
 from .optim import adam_step
 
-__all__ = ["spmm", "spmm_t", "sddmm", "bias_grad", "adam_step", "choose_tile", "is_available", "launch_mode"]
+__all__ = ["spmm", "spmm_t", "sddmm", "adam_step", "choose_tile", "is_available", "launch_mode"]
 
 
 def is_available() -> bool:

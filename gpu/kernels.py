@@ -834,53 +834,6 @@ def make_sddmm_wide_kernel(kind: int):
     return _jit(sddmm_wide, launch_bounds=(1024,))
 
 
-# ---- bias gradient ---------------------------------------------------------------------------------
-COLSUM_WARPS = 8
-
-
-@functools.lru_cache(maxsize=None)
-def make_colsum_kernel(kind: int):
-    """out[j] = sum_b dy[b, j] with float32 accumulation, for dy (B, n) row-major: the gradient
-    of the layer's bias.
-
-    Signature: (dy, out, batch, n). Launch: grid (ceil(n / 32),), block 32 * COLSUM_WARPS threads,
-    no dynamic shared memory; batch * n < 2**32. Lane l of warp w adds rows w, w + COLSUM_WARPS, ...
-    of column 32 * blockIdx.x + l (a warp reads 128 consecutive bytes of a row); the warps'
-    partial sums of a column meet in shared memory and warp 0 writes the column.
-    """
-    ld = _LOADERS[kind]
-    cv = _CONVERTERS[kind]
-    W = COLSUM_WARPS
-    PART = 32 * COLSUM_WARPS
-
-    def colsum(dy, out, batch, n):
-        part = cuda.shared.array(PART, dtype=float32)
-        tid = int32(cuda.threadIdx.x)
-        lane = tid & 31
-        w = tid >> 5
-        j = int32(int32(cuda.blockIdx.x) * 32 + lane)
-        n32 = int32(n)
-        acc = float32(0.0)
-        if j < n32:
-            b = w
-            o = int32(b * n32 + j)
-            step = int32(W * n32)
-            while b < batch:
-                acc += ld(dy, uint32(o))
-                b = int32(b + W)
-                o = int32(o + step)
-        part[tid] = acc
-        cuda.syncthreads()
-        if w == 0 and j < n32:
-            tot = part[lane]
-            for k in range(1, W):
-                tot += part[k * 32 + lane]
-            out[uint32(j)] = cv(tot)
-
-    colsum.__name__ = f"snack_colsum_{KINDS[kind]}"
-    return _jit(colsum)
-
-
 # ---- optimizer ------------------------------------------------------------------------------------
 ADAM_THREADS = 256
 

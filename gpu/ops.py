@@ -448,29 +448,3 @@ def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks):
     gy = _grid_rows(n_out, 1, smem, device, threads)
     return (kernels.make_sddmm_kernel(tile, kind), (1, gy), smem, [topo.row_ptr, topo.indices[1]],
             [n_out, n_in, batch], ntiles > 1)
-
-
-# The bias gradient runs as a kernel up to this batch (a thread adds B / COLSUM_WARPS values of
-# its column one after another); larger batches go to torch.sum, which splits the rows.
-BIAS_GRAD_MAX_B = 256
-
-
-def bias_grad(dy: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """db (n,) = sum over the batch of dy (B, n), accumulated in float32 and written in dy's
-    dtype: the gradient of a layer's bias. One kernel launch (no cuBLAS workspace, no torch op)
-    for B <= BIAS_GRAD_MAX_B; torch.sum(dy, 0) beyond."""
-    if not isinstance(dy, torch.Tensor):
-        raise TypeError(f"dy must be a torch.Tensor, got {type(dy).__name__}")
-    _check_common("dy", dy, dy.device)
-    batch, n = dy.shape
-    db = _check_out(out, (n,), dy.dtype, dy.device)
-    if n == 0:
-        return db
-    if batch == 0:
-        return db.zero_()
-    if batch > BIAS_GRAD_MAX_B or batch * n > MAX_ELEMENTS:
-        return db.copy_(torch.sum(dy, 0, dtype=torch.float32))
-    dy = dy.contiguous()
-    launch(kernels.make_colsum_kernel(_KIND[dy.dtype]), (-(-n // 32), 1), 32 * kernels.COLSUM_WARPS, 0,
-           [as_kernel_array(dy), as_kernel_array(db)], [batch, n], dy.device)
-    return db

@@ -1,7 +1,7 @@
 """Compiles every SNACK kernel variant to PTX for a given compute capability, without a GPU.
 
 `compile_all(cc=(9, 0))` returns {kernel name: PTX text} for every variant the launchers can
-pick (batch tiles x dtypes x permuted/atomic/bias flags, the bias gradient and the Adam step), so that a machine without a GPU (CI)
+pick (batch tiles x dtypes x permuted/atomic/bias flags, and the Adam step), so that a machine without a GPU (CI)
 catches typing errors that Numba's simulator lets through. Needs numba-cuda's NVVM
 (`pip install numba-cuda[cu13]`) and must run with the simulator off.
 Usage: python -m snack.gpu.ptx [--cc 9.0]  (prints one line per kernel with its PTX size and
@@ -47,8 +47,6 @@ def variants():
                             _sig([el, "int32", "int32", el, "int32", yel, el], 7)))
         d = kernels.make_sddmm_wide_kernel(kind)
         out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32"], 5)))
-        d = kernels.make_colsum_kernel(kind)
-        out.append((d.py_func.__name__, d, _sig([el, el], 2)))
     from numba import types
     for decoupled in (False, True):
         d = kernels.make_adam_kernel(decoupled)

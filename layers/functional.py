@@ -2,7 +2,7 @@
 
 The autograd Function builds every gradient from the same three backend ops:
     forward   Y  = spmm(X, W) + b  (the GPU kernels add b as they write Y)
-    backward  dX = spmm_t(dY, W)      dv = sddmm(dY, X, W)      db = sum_b dY
+    backward  dX = spmm_t(dY, W)      dv = sddmm(dY, X, W)      db = sum_b dY (a GEMV on CUDA)
 so nothing of the dense weight's size (out x in) is allocated, in forward or in backward.
 When no gradient is wanted (torch.no_grad, or nothing requires grad) the forward runs without
 the autograd Function, saving its host overhead on every inference call.
@@ -59,14 +59,25 @@ class SparseLinearFunction(torch.autograd.Function):
         return dx, dv, db, None
 
 
+# A float32 vector of ones per CUDA device for the bias gradient, grown by doubling and never
+# freed: a captured CUDA graph may read any of them.
+_ONES = {}
+_ONES_KEPT = []
+
+
 def _bias_grad(dy: torch.Tensor) -> torch.Tensor:
-    """sum_b dY (B, out) -> (out,): one SNACK kernel where the GPU backend runs (H200, B = 32,
-    out = 4096, graph replay: about 2 us against 3.4 us for dy.sum(0), and no cuBLAS workspace
-    as a GEMV would allocate); dy.sum(0) elsewhere."""
-    if dy.is_cuda and backend.backend_name(dy.device, dy.dtype) == "gpu":
-        from snack.gpu import bias_grad
-        return bias_grad(dy)
-    return dy.sum(0)
+    """sum_b dY (B, out) -> (out,). For float32 CUDA tensors one GEMV with a cached vector of
+    ones (H200, B = 32, out = 4096, graph replay: 1.8 us against 3.4 us for dy.sum(0)); else
+    dy.sum(0), which accumulates fp16/bf16 in float32."""
+    if not (dy.is_cuda and dy.dtype == torch.float32):
+        return dy.sum(0)
+    n = dy.shape[0]
+    ones = _ONES.get(dy.device)
+    if ones is None or ones.numel() < n:
+        size = max(n, 64 if ones is None else 2 * ones.numel())
+        ones = _ONES[dy.device] = torch.ones(size, dtype=torch.float32, device=dy.device)
+        _ONES_KEPT.append(ones)
+    return torch.mv(dy.t(), ones[:n])
 
 
 def _check_tensor(name: str, t, dims: Optional[int] = None) -> None:

@@ -367,34 +367,3 @@ def test_snack_optimizer_resumes_torch_state_and_skips_params_without_grad():
     w = model[1].weight
     w.grad = torch.randn(3, 6).t().contiguous().t()          # right shape, not contiguous
     assert ours._work() is None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("B,n", [(1, 1), (3, 40), (9, 33), (17, 70), (300, 5)])
-def test_bias_grad_sums_the_batch(B, n, dtype):
-    """9 and 17 rows: warps add 2-3 rows each; 33 / 70 columns: a partial column block; 300 rows:
-    past BIAS_GRAD_MAX_B (torch.sum)."""
-    dy = torch.randn(B, n, generator=torch.Generator().manual_seed(B * n)).to(dtype)
-    ref = dy.double().sum(0)
-    out = torch.full((n,), float("nan"), dtype=dtype)
-    got = G.bias_grad(dy, out=out)
-    assert got is out
-    torch.testing.assert_close(got.double(), ref, rtol=TOL[dtype], atol=TOL[dtype] * max(1.0, B ** 0.5))
-    torch.testing.assert_close(G.bias_grad(dy).double(), ref, rtol=TOL[dtype], atol=TOL[dtype] * max(1.0, B ** 0.5))
-
-
-def test_bias_grad_edge_cases_and_bad_input():
-    assert G.bias_grad(torch.zeros(0, 4)).tolist() == [0.0] * 4
-    assert G.bias_grad(torch.zeros(3, 0)).shape == (0,)
-    t = torch.randn(8, 6)[:, ::2]  # not contiguous: summed from a copy
-    torch.testing.assert_close(G.bias_grad(t), t.sum(0))
-    with pytest.raises(ValueError, match="2-D"):
-        G.bias_grad(torch.randn(5))
-    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
-        G.bias_grad(torch.randn(2, 3, dtype=torch.float64))
-    with pytest.raises(TypeError, match="must be a torch.Tensor"):
-        G.bias_grad([[1.0]])
-    out = torch.zeros(4)
-    with pytest.raises(ValueError, match="out must be"):
-        G.bias_grad(torch.randn(2, 3), out=out)
-    assert torch.equal(out, torch.zeros(4))
