@@ -76,7 +76,9 @@ def device_properties(device: torch.device):
 
 
 class _DriverKernel:
-    """One compiled kernel with a reusable parameter block (not thread-safe per instance)."""
+    """One compiled kernel with a reusable parameter block. A lock per kernel keeps two threads
+    from rewriting the block at once: the driver reads it during cuLaunchKernel, which ctypes
+    calls without holding the GIL."""
 
     def __init__(self, dispatcher, sig, n_arrays: int, n_scalars: int, max_smem: int):
         from cuda.bindings import driver
@@ -100,33 +102,35 @@ class _DriverKernel:
             self.max_threads = 256
         self.fn = int(handle)
         self._launch = _libcuda_launch()
+        self.lock = threading.Lock()
 
     def __call__(self, grid, block, smem, arrays, scalars, stream_ptr):
-        s = self.slots
-        last = self.last
-        i = 0
-        for a, t in enumerate(arrays):
-            key = (t.data_ptr(), t.numel(), t.element_size())
-            if last[a] != key:  # rewrite only what changed since the previous launch
-                ptr, n, isz = key
-                s[i + 2] = n
-                s[i + 3] = isz
-                s[i + 4] = ptr
-                s[i + 5] = n
-                s[i + 6] = isz
-                last[a] = key
-            i += 7
-        for a, v in enumerate(scalars):
-            if last[self.n_arrays + a] != v:
-                s[i] = _scalar_bits(v)
-                last[self.n_arrays + a] = v
-            i += 1
-        if block > self.max_threads:  # register-heavy variants: fewer threads, same result
-            block = self.max_threads
-        gz = grid[2] if len(grid) > 2 else 1
-        err = self._launch(self.fn, grid[0], grid[1], gz, block, 1, 1, smem, stream_ptr, self.params, None)
-        if err != 0:
-            raise RuntimeError(f"SNACK kernel launch failed with CUDA driver error {err}")
+        with self.lock:
+            s = self.slots
+            last = self.last
+            i = 0
+            for a, t in enumerate(arrays):
+                key = (t.data_ptr(), t.numel(), t.element_size())
+                if last[a] != key:  # rewrite only what changed since the previous launch
+                    ptr, n, isz = key
+                    s[i + 2] = n
+                    s[i + 3] = isz
+                    s[i + 4] = ptr
+                    s[i + 5] = n
+                    s[i + 6] = isz
+                    last[a] = key
+                i += 7
+            for a, v in enumerate(scalars):
+                if last[self.n_arrays + a] != v:
+                    s[i] = _scalar_bits(v)
+                    last[self.n_arrays + a] = v
+                i += 1
+            if block > self.max_threads:  # register-heavy variants: fewer threads, same result
+                block = self.max_threads
+            gz = grid[2] if len(grid) > 2 else 1
+            err = self._launch(self.fn, grid[0], grid[1], gz, block, 1, 1, smem, stream_ptr, self.params, None)
+            if err != 0:
+                raise RuntimeError(f"SNACK kernel launch failed with CUDA driver error {err}")
 
 
 _libcuda = None
