@@ -171,8 +171,9 @@ def zero(t: torch.Tensor) -> torch.Tensor:
         _memset = f
     n = t.numel()
     if n:
-        idx = t.device.index if t.device.index is not None else _current_device()
-        if idx != _current_device():
+        cur = _current_device()
+        idx = t.device.index if t.device.index is not None else cur
+        if idx != cur:
             with torch.cuda.device(idx):
                 return zero(t)
         err = _memset(t.data_ptr(), 0, n, _raw_stream(idx))
@@ -221,8 +222,9 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
         nps = [t.numpy() for t in arrays]
         dispatcher[grid, block, 0, smem](*nps, *[_scalar(v) for v in scalars])
         return
-    idx = device.index if device.index is not None else _current_device()
-    if idx != _current_device():
+    cur = _current_device()
+    idx = device.index if device.index is not None else cur
+    if idx != cur:
         # the driver launches in the calling thread's current context: make it the tensors' GPU
         with torch.cuda.device(idx):
             return launch(dispatcher, grid, block, smem, arrays, scalars, device)
