@@ -10,24 +10,27 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def _run_all(coo, B, dtype, gen, **kw):
+    """The three ops on coo's GPU (which need not be the current device) against float64."""
     import snack.gpu as G
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     o, i = coo.shape
-    x = torch.randn(B, i, generator=gen).to(dtype).cuda()
-    dy = torch.randn(B, o, generator=gen).to(dtype).cuda()
+    dev = coo.values.device
+    x = torch.randn(B, i, generator=gen).to(dtype).to(dev)
+    dy = torch.randn(B, o, generator=gen).to(dtype).to(dev)
     v = coo.values.to(dtype)
     t = coo.topology
-    outs = [torch.full((B, o), float("nan"), dtype=dtype, device="cuda"),
-            torch.full((B, i), float("nan"), dtype=dtype, device="cuda"),
-            torch.full((coo.nnz,), float("nan"), dtype=dtype, device="cuda")]
+    outs = [torch.full((B, o), float("nan"), dtype=dtype, device=dev),
+            torch.full((B, i), float("nan"), dtype=dtype, device=dev),
+            torch.full((coo.nnz,), float("nan"), dtype=dtype, device=dev)]
     G.spmm(x, t, v, out=outs[0], **kw)
     G.spmm_t(dy, t, v, out=outs[1], **kw)
     G.sddmm(dy, x, t, out=outs[2], **{k: a for k, a in kw.items() if k != "split"})
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(dev)
     xd, dyd, vd = x.double(), dy.double(), v.double()
     refs = (spmm_reference(xd, t.indices, vd, o), spmm_t_reference(dyd, t.indices, vd, i),
             sddmm_reference(dyd, xd, t.indices))
     for name, got, ref in zip(("spmm", "spmm_t", "sddmm"), outs, refs):
+        assert got.device == dev, name
         assert torch.isfinite(got).all(), f"{name}: an output element was not written"
         err = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         if ref.norm() > 0:

@@ -1,37 +1,20 @@
 """SNACK on a second GPU (marked `gpu`; needs two CUDA devices): tensors on cuda:1 while the
 current device is cuda:0, both devices in turn, a layer's training step and CUDA-graph capture
-there. Every result is compared with a float64 reference computed on the CPU."""
+there. Every result is compared with a float64 reference (the ops through test_gpu_kernels._run_all)."""
 import pytest
 import torch
 import torch.nn.functional as F
+
+from test_gpu_kernels import _run_all
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
 
 def _check_ops(dev, shape, B, density, seed, **kw):
-    import snack.gpu as G
     from snack.core import COO
-    from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
-    gen = torch.Generator().manual_seed(seed)
     coo = COO.random(shape, density=density, seed=seed, device=dev)
-    o, i = shape
-    x = torch.randn(B, i, generator=gen).to(dev)
-    dy = torch.randn(B, o, generator=gen).to(dev)
-    t, v = coo.topology, coo.values
-    outs = [torch.full((B, o), float("nan"), device=dev), torch.full((B, i), float("nan"), device=dev),
-            torch.full((coo.nnz,), float("nan"), device=dev)]
-    G.spmm(x, t, v, out=outs[0], **kw)
-    G.spmm_t(dy, t, v, out=outs[1], **kw)
-    G.sddmm(dy, x, t, out=outs[2], **{k: a for k, a in kw.items() if k != "split"})
-    torch.cuda.synchronize(dev)
-    idx = t.indices.cpu()
-    xd, dyd, vd = x.cpu().double(), dy.cpu().double(), v.cpu().double()
-    refs = (spmm_reference(xd, idx, vd, o), spmm_t_reference(dyd, idx, vd, i), sddmm_reference(dyd, xd, idx))
-    for name, got, ref in zip(("spmm", "spmm_t", "sddmm"), outs, refs):
-        assert got.device == torch.device(dev)
-        err = ((got.cpu().double() - ref).norm() / ref.norm()).item()
-        assert err < 1e-5, (dev, name, kw, err)
+    _run_all(coo, B, torch.float32, torch.Generator().manual_seed(seed), **kw)
 
 
 # tiled kernels with > 48 KB of shared memory (a per-device kernel attribute), the 32-wide
