@@ -5,9 +5,9 @@ Knows nothing of autograd or nn.Module. Tensors in, tensors out, on torch's curr
 """
 from .launch import launch_mode
 from .ops import spmm, spmm_t, sddmm, choose_tile
-from .optim import adam_step
+from .optim import adam_step, adam_steps
 
-__all__ = ["spmm", "spmm_t", "sddmm", "adam_step", "choose_tile", "is_available", "launch_mode"]
+__all__ = ["spmm", "spmm_t", "sddmm", "adam_step", "adam_steps", "choose_tile", "is_available", "launch_mode"]
 
 
 def is_available() -> bool:

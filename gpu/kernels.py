@@ -392,12 +392,28 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
     return cuda.jit(spmm)
 
 
-@functools.lru_cache(maxsize=None)
-def make_sddmm_kernel(bt: int, kind: int):
-    """dv[k] = sum_b dY[b, r_k] X[b, idx[k]] for the CSR rows r of W.
+def _make_db_out(cv):
+    @cuda.jit(device=True, inline=True)
+    def db_out(db, dbacc, r, t, first, last):
+        """Row r's bias-gradient part t of one batch tile: kept in dbacc until the last tile,
+        which writes the total to db (one thread per row, tiles in turn: no atomics)."""
+        if not first:
+            t += dbacc[uint32(r)]
+        if last:
+            db[uint32(r)] = cv(t)
+        else:
+            dbacc[uint32(r)] = t
+    return db_out
 
-    Signature: (x, dy, ptr, idx, dv, dvacc, n_rows, n_cols, batch); x (B, n_cols), dy (B, n_rows),
-    dv (nnz,), dvacc fp32 (nnz,) scratch when B > bt (else any fp32 array). Launch: grid
+
+@functools.lru_cache(maxsize=None)
+def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False):
+    """dv[k] = sum_b dY[b, r_k] X[b, idx[k]] for the CSR rows r of W (and, `with_db`, the bias
+    gradient db[r] = sum_b dY[b, r], from the dY values each row loads anyway).
+
+    Signature: (x, dy, ptr, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch); x (B, n_cols),
+    dy (B, n_rows), dv (nnz,), dvacc fp32 (nnz,) scratch when B > bt (else any fp32 array); db
+    (n_rows,) like dy and dbacc fp32 (n_rows,) likewise, read only `with_db`. Launch: grid
     (1, n_row_blocks), dynamic shared memory bt * (n_cols | 1) * 4 bytes.
     Lanes own non-zeros (32 per warp step); the row's dY[b0:b0 + bt, r] is broadcast once per
     row into registers; the block visits the batch tiles in turn (re-staging X) and keeps the
@@ -405,11 +421,13 @@ def make_sddmm_kernel(bt: int, kind: int):
     """
     _check_bt(bt)
     BT = bt
+    WITH_DB = with_db
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
     stage = _make_stage(BT, ld)
+    db_out = _make_db_out(cv)
 
-    def sddmm(x, dy, ptr, idx, dv, dvacc, n_rows, n_cols, batch):
+    def sddmm(x, dy, ptr, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch):
         xs = cuda.shared.array(0, dtype=float32)
         ds = cuda.local.array(BT, dtype=float32)
         buf = cuda.local.array(8, dtype=float32)
@@ -435,6 +453,12 @@ def make_sddmm_kernel(bt: int, kind: int):
                     dl = ld(dy, (b0 + lane) * n_rows + r)
                 for jj in range(BT):
                     ds[jj] = cuda.shfl_sync(FULL_MASK, dl, jj)
+                if WITH_DB:
+                    tb = float32(0.0)
+                    for jj in range(BT):
+                        tb += ds[jj]
+                    if lane == 0:
+                        db_out(db, dbacc, r, tb, first, last)
                 start = ptr[r]
                 end = ptr[r + 1]
                 base = start
@@ -469,7 +493,7 @@ def make_sddmm_kernel(bt: int, kind: int):
                     base += 64
                 r += rstride
 
-    sddmm.__name__ = f"snack_sddmm_bt{bt}_{KINDS[kind]}"
+    sddmm.__name__ = f"snack_sddmm_bt{bt}_{KINDS[kind]}{'_db' if with_db else ''}"
     return cuda.jit(sddmm)
 
 
@@ -723,11 +747,13 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
 
 
 @functools.lru_cache(maxsize=None)
-def make_sddmm_wide_kernel(kind: int):
-    """dv[k] = sum_b dY[b, r_k] X[b, idx[k]] with 32-column batch tiles and column chunks.
+def make_sddmm_wide_kernel(kind: int, with_db: bool = False):
+    """dv[k] = sum_b dY[b, r_k] X[b, idx[k]] with 32-column batch tiles and column chunks (and,
+    `with_db`, db[r] = sum_b dY[b, r], summed by the blocks of the first chunk).
 
-    Signature: (x, dy, seg, idx, dv, dvacc, n_rows, n_cols, batch, nch, cw); dvacc fp32 (nnz,)
-    scratch when B > 32. Launch: grid (nch, n_row_blocks), shared memory cw * 32 * 4 bytes.
+    Signature: (x, dy, seg, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch, nch, cw); dvacc
+    fp32 (nnz,) scratch when B > 32; db (n_rows,) like dy, dbacc fp32 (n_rows,) scratch when
+    B > 32, read only `with_db`. Launch: grid (nch, n_row_blocks), shared memory cw * 32 * 4 bytes.
     X is staged as in the wide SpMM (16-byte chunks, swizzled). A warp takes 32 non-zeros of a
     row segment at a time in 8 steps; at step i group g takes non-zero 4i + g and lane k of the
     group multiplies batch columns 4k..4k+3 (one 16-byte read) with dY[4k..4k+3, r] (kept in
@@ -737,9 +763,11 @@ def make_sddmm_wide_kernel(kind: int):
     """
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
+    WITH_DB = with_db
     stage = _make_stage_quad(ld)
+    db_out = _make_db_out(cv)
 
-    def sddmm_wide(x, dy, seg, idx, dv, dvacc, n_rows, n_cols, batch, nch, cw):
+    def sddmm_wide(x, dy, seg, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch, nch, cw):
         xs = cuda.shared.array(0, dtype=float32, alignment=16)
         p = cuda.local.array(8, dtype=float32)
         buf = cuda.local.array(16, dtype=float32)
@@ -766,10 +794,11 @@ def make_sddmm_wide_kernel(kind: int):
             last = tile == ntiles - 1
             r = int32(int32(cuda.blockIdx.y) * nwarps + (tid >> 5))
             rstride = int32(int32(cuda.gridDim.y) * nwarps)
+            with_db = WITH_DB and ch == 0  # block-uniform
             while r < n_rows:
                 s0 = seg[uint32(r * nch + ch)]
                 s1 = seg[uint32(r * nch + ch + 1)]
-                if s0 == s1:
+                if s0 == s1 and not with_db:
                     r = int32(r + rstride)
                     continue
                 # dY[b0 + 4k + i, r] for this lane's 4 batch columns
@@ -786,6 +815,16 @@ def make_sddmm_wide_kernel(kind: int):
                     d2 = ld(dy, uint32((bb + 2) * n_rows + r))
                 if bb + 3 < batch:
                     d3 = ld(dy, uint32((bb + 3) * n_rows + r))
+                if with_db:  # the 8 lanes of a group hold the tile's 32 batch columns
+                    tb = (d0 + d1) + (d2 + d3)
+                    tb += cuda.shfl_xor_sync(FULL_MASK, tb, 1)
+                    tb += cuda.shfl_xor_sync(FULL_MASK, tb, 2)
+                    tb += cuda.shfl_xor_sync(FULL_MASK, tb, 4)
+                    if lane == 0:
+                        db_out(db, dbacc, r, tb, first, last)
+                    if s0 == s1:
+                        r = int32(r + rstride)
+                        continue
                 base = s0
                 cl = int32(0)
                 if base + lane < s1:
@@ -830,29 +869,47 @@ def make_sddmm_wide_kernel(kind: int):
                     cl = _quad_row(cn - int32(c0))
                 r = int32(r + rstride)
 
-    sddmm_wide.__name__ = f"snack_sddmm_wide_{KINDS[kind]}"
+    sddmm_wide.__name__ = f"snack_sddmm_wide_{KINDS[kind]}{'_db' if with_db else ''}"
     return _jit(sddmm_wide, launch_bounds=(1024,))
 
 
 # ---- optimizer ------------------------------------------------------------------------------------
 ADAM_THREADS = 256
+_ADAM_UNROLL = 4
 
 
 @functools.lru_cache(maxsize=None)
 def make_adam_kernel(decoupled: bool):
-    """One Adam step on fp32 tensors, elementwise, as torch.optim.Adam computes it (AdamW's
-    decoupled weight decay when `decoupled`):
+    """One Adam step on one or two fp32 tensors, elementwise, as torch.optim.Adam computes it
+    (AdamW's decoupled weight decay when `decoupled`):
         g += wd p (Adam) | p *= 1 - lr wd (AdamW);  m += (1 - b1)(g - m);  v = b2 v + (1 - b2) g^2
         p -= lr / (1 - b1^s) * m / (sqrt(v) / sqrt(1 - b2^s) + eps)
-    with s the step count read from `step` (already incremented for this step).
+    with s the tensor's step count: step[0] + inc.
 
-    Signature: (p, g, m, v, step, n, lr, beta1, beta2, eps, wd); p, g, m, v fp32 (n,), step fp32 (1,).
-    Launch: 1-D grid-stride, ADAM_THREADS threads per block.
+    Signature: (p, g, m, v, step, p2, g2, m2, v2, step2, counter, n, n2, inc, lr, beta1, beta2,
+    eps, wd); p, g, m, v fp32 (n,), the second tensor's p2.. (n2,) (n2 < 0: no second tensor; pass the
+    first tensor's arrays), step and step2 fp32 (1,), counter int32 (1,), zero before the launch and
+    after it. With inc = 1 the kernel also stores s into step (and step2): every block reads the
+    step counts first; the last block to finish (found with `counter`, which it resets) writes
+    them, so no block can read an updated count.
+    Launch: 1-D grid-stride, ADAM_THREADS threads per block; each thread has the loads of 4
+    elements in flight before it stores (memory-bound: the bandwidth needs them).
     """
     DECOUPLED = decoupled
+    U = _ADAM_UNROLL
 
-    def adam(p, g, m, v, step, n, lr, beta1, beta2, eps, wd):
-        s = float64(step[0])
+    @cuda.jit(device=True, inline=True)
+    def update(pi, gi, mi, vi, step_size, bc2_sqrt, w1, b2, w2, epsf, wdf, decay):
+        if DECOUPLED:
+            pi *= decay
+        elif wdf != 0:
+            gi += wdf * pi
+        mi += w1 * (gi - mi)
+        vi = vi * b2 + w2 * gi * gi
+        return pi - step_size * mi / (math.sqrt(vi) / bc2_sqrt + epsf), mi, vi
+
+    @cuda.jit(device=True, inline=True)
+    def run(p, g, m, v, n, s, lr, beta1, beta2, eps, wd, pb, gb, mb, vb):
         step_size = float32(lr / (1.0 - math.pow(beta1, s)))
         bc2_sqrt = float32(math.sqrt(1.0 - math.pow(beta2, s)))
         w1 = float32(1.0 - beta1)
@@ -863,20 +920,48 @@ def make_adam_kernel(decoupled: bool):
         decay = float32(1.0 - lr * wd)
         i = cuda.grid(1)
         stride = cuda.gridsize(1)
+        while i + (U - 1) * stride < n:
+            for u in range(U):
+                k = i + u * stride
+                pb[u] = p[k]
+                gb[u] = g[k]
+                mb[u] = m[k]
+                vb[u] = v[k]
+            for u in range(U):
+                k = i + u * stride
+                pn, mn, vn = update(pb[u], gb[u], mb[u], vb[u], step_size, bc2_sqrt, w1, b2, w2, epsf, wdf, decay)
+                m[k] = mn
+                v[k] = vn
+                p[k] = pn
+            i += U * stride
         while i < n:
-            gi = g[i]
-            pi = p[i]
-            if DECOUPLED:
-                pi *= decay
-            elif wdf != 0:
-                gi += wdf * pi
-            mi = m[i]
-            mi += w1 * (gi - mi)
-            vi = v[i] * b2 + w2 * gi * gi
-            m[i] = mi
-            v[i] = vi
-            p[i] = pi - step_size * mi / (math.sqrt(vi) / bc2_sqrt + epsf)
+            pn, mn, vn = update(p[i], g[i], m[i], v[i], step_size, bc2_sqrt, w1, b2, w2, epsf, wdf, decay)
+            m[i] = mn
+            v[i] = vn
+            p[i] = pn
             i += stride
+
+    def adam(p, g, m, v, step, p2, g2, m2, v2, step2, counter, n, n2, inc, lr, beta1, beta2, eps, wd):
+        pb = cuda.local.array(U, dtype=float32)
+        gb = cuda.local.array(U, dtype=float32)
+        mb = cuda.local.array(U, dtype=float32)
+        vb = cuda.local.array(U, dtype=float32)
+        s = float64(step[0]) + float64(inc)
+        s2 = s
+        if n2 >= 0:
+            s2 = float64(step2[0]) + float64(inc)
+        run(p, g, m, v, n, s, lr, beta1, beta2, eps, wd, pb, gb, mb, vb)
+        if n2 > 0:  # (n2 = 0: only the step count)
+            run(p2, g2, m2, v2, n2, s2, lr, beta1, beta2, eps, wd, pb, gb, mb, vb)
+        if inc != 0:
+            cuda.syncthreads()  # the whole block has read the step counts
+            if cuda.threadIdx.x == 0:
+                cuda.threadfence()
+                if cuda.atomic.add(counter, 0, 1) == cuda.gridDim.x - 1:
+                    step[0] = float32(s)
+                    if n2 >= 0:
+                        step2[0] = float32(s2)
+                    counter[0] = 0
 
     adam.__name__ = f"snack_adam{'w' if decoupled else ''}_f32"
     return cuda.jit(adam)

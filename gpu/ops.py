@@ -3,6 +3,7 @@
     spmm(x, topo, values, out=None, bias=None)   Y (B, out) = X W^T (+ bias)   x (B, in)
     spmm_t(dy, topo, values, out=None)  dX (B, in) = dY W           dy (B, out)
     sddmm(dy, x, topo, out=None)        dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
+    sddmm(dy, x, topo, bias_grad=True)  (dv, db): also db (out,) = sum_b dY[b, :] (same launch)
 W is the (out, in) matrix of `topo` (a snack.core.Topology on the same device, canonical
 row-major) with `values` (nnz,) in that order. x, dy, values: float32, float16 or bfloat16, one
 dtype per call, on one CUDA device (CPU tensors under the Numba simulator); results have the
@@ -198,11 +199,13 @@ def _perm32(topo: Topology) -> torch.Tensor:
 _dummies = {}
 
 
-def _dummy_f32(device) -> torch.Tensor:
-    """A 1-element fp32 array for a kernel argument that the launch never touches."""
-    d = _dummies.get(device)
+def _dummy_f32(device, dtype=torch.float32) -> torch.Tensor:
+    """A 1-element array (fp32 unless told) for a kernel argument that the launch never touches;
+    one per device and dtype, never one of the call's own tensors (the simulator copies every
+    argument back after the kernel)."""
+    d = _dummies.get((device, dtype))
     if d is None:
-        d = _dummies[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        d = _dummies[(device, dtype)] = torch.zeros(1, dtype=dtype, device=device)
     return d
 
 
@@ -382,9 +385,11 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional
 
 
 def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch.Tensor] = None,
-          *, bt: Optional[int] = None, threads: int = _THREADS, wide: Optional[bool] = None,
-          chunks: Optional[int] = None) -> torch.Tensor:
-    """dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k], on the GPU; see the module docstring."""
+          *, bias_grad: bool = False, bt: Optional[int] = None, threads: int = _THREADS,
+          wide: Optional[bool] = None, chunks: Optional[int] = None):
+    """dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k], on the GPU; see the module docstring.
+    With bias_grad=True returns (dv, db), db (out,) = sum_b dY[b, :] (dy's dtype, summed in fp32)
+    computed by the same launch from the dY values it reads anyway."""
     _check_common("dy", dy, topo.device)
     _check_common("x", x, topo.device)
     n_out, n_in = topo.shape
@@ -397,11 +402,17 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     if x.dtype != dy.dtype:
         raise TypeError(f"x has dtype {x.dtype} but dy has {dy.dtype}")
     dv = _check_out(out, (topo.nnz,), x.dtype, x.device)
-    if dv.numel() == 0:
-        return dv
     batch = x.shape[0]
+
+    def done(db=None):
+        if not bias_grad:
+            return dv
+        return dv, (db if db is not None else dy.sum(0, dtype=torch.float32).to(dy.dtype))
+    if dv.numel() == 0:
+        return done()
     if batch == 0 or n_in == 0:
-        return dv.zero_()
+        dv.zero_()
+        return done()
     x = x.contiguous()
     dy = dy.contiguous()
     slices = _batch_slices(batch, max(n_in, n_out))
@@ -411,40 +422,47 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         for b0, b1 in slices:
             sddmm(dy[b0:b1], x[b0:b1], topo, out=part, bt=bt, threads=threads, wide=wide, chunks=chunks)
             total += part.float()
-        return dv.copy_(total)
-    plan = _sddmm_plan(topo, batch, _KIND[x.dtype], x.device, bt, threads, wide, chunks)
+        dv.copy_(total)
+        return done()
+    plan = _sddmm_plan(topo, batch, _KIND[x.dtype], x.device, bt, threads, wide, chunks, bool(bias_grad))
     if plan is None:
         from snack.core.reference import sddmm_reference
-        return dv.copy_(sddmm_reference(dy.float(), x.float(), topo.indices))
+        dv.copy_(sddmm_reference(dy.float(), x.float(), topo.indices))
+        return done()
     kern, grid, smem, (a1, a2), scalars, needs_acc = plan
     # fp32 partial sums across batch tiles (never aliased with dv: the simulator copies each
     # argument back separately)
     acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if needs_acc else _dummy_f32(x.device)
-    launch(kern, grid, threads, smem, [as_kernel_array(x), as_kernel_array(dy), a1, a2, as_kernel_array(dv), acc],
-           scalars, x.device)
-    return dv
+    if bias_grad:
+        db = torch.empty(n_out, dtype=dy.dtype, device=dy.device)
+        dbacc = torch.empty(n_out, dtype=torch.float32, device=x.device) if needs_acc else _dummy_f32(x.device)
+    else:
+        db, dbacc = _dummy_f32(x.device, dy.dtype), _dummy_f32(x.device)
+    launch(kern, grid, threads, smem, [as_kernel_array(x), as_kernel_array(dy), a1, a2, as_kernel_array(dv), acc,
+                                       as_kernel_array(db), dbacc], scalars, x.device)
+    return (dv, db) if bias_grad else dv
 
 
-def _sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks):
+def _sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db):
     """The SDDMM's launch beyond the per-call tensors, cached on the topology like `_spmm_plan`:
-    (kernel, grid, smem, [index arrays], [scalars], needs an fp32 accumulator?) or None."""
-    return _cached_plan(topo, ("sddmm_plan", batch, kind, bt, threads, wide, chunks),
-                        _build_sddmm_plan, batch, kind, device, bt, threads, wide, chunks)
+    (kernel, grid, smem, [index arrays], [scalars], needs fp32 accumulators?) or None."""
+    return _cached_plan(topo, ("sddmm_plan", batch, kind, bt, threads, wide, chunks, with_db),
+                        _build_sddmm_plan, batch, kind, device, bt, threads, wide, chunks, with_db)
 
 
-def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks):
+def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db):
     n_out, n_in = topo.shape
     if _use_wide(batch, wide, "sddmm", topo):
         nch, cw, smem = wide_chunks(n_in, device, chunks, batch)
         if smem <= device_properties(device)[1]:
             ntiles = -(-batch // kernels.WIDE)
             gy = _grid_rows(n_out, nch, smem, device, threads, _WIDE_REGS)
-            return (kernels.make_sddmm_wide_kernel(kind), (nch, gy), smem,
+            return (kernels.make_sddmm_wide_kernel(kind, with_db), (nch, gy), smem,
                     [_seg(topo, False, nch, cw), topo.indices[1]], [n_out, n_in, batch, nch, cw], ntiles > 1)
     tile, smem = choose_tile(batch, n_in, device, bt)
     if tile is None:
         return None
     ntiles = -(-batch // tile)
     gy = _grid_rows(n_out, 1, smem, device, threads)
-    return (kernels.make_sddmm_kernel(tile, kind), (1, gy), smem, [topo.row_ptr, topo.indices[1]],
+    return (kernels.make_sddmm_kernel(tile, kind, with_db), (1, gy), smem, [topo.row_ptr, topo.indices[1]],
             [n_out, n_in, batch], ntiles > 1)

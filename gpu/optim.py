@@ -1,24 +1,28 @@
-"""One fused Adam / AdamW step on a float32 tensor: a single elementwise kernel over the whole
-tensor with a grid that fills the GPU.
+"""Fused Adam / AdamW steps on float32 tensors: one elementwise kernel with a grid that fills the GPU.
 
     adam_step(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay,
               decoupled=False)
+    adam_steps(params, grads, exp_avgs, exp_avg_sqs, steps, *, counter, lr, ...)
 
 PyTorch's foreach and fused Adam give each block a 65536-element chunk of a tensor: a SNACK
 layer's `values` (1.7 M at 4096 x 4096, 90 %) gets ~26 blocks, a fifth of an H200's SMs, and its
 step runs far below memory bandwidth. This kernel gives every thread a few elements instead.
-The arithmetic is torch.optim.Adam's (see kernels.make_adam_kernel); `step` (a float32 tensor
-of one element on the same device) holds the step count of this step, already incremented, so
-the op is capturable in a CUDA graph.
+The arithmetic is torch.optim.Adam's (see kernels.make_adam_kernel).
+`adam_step` takes `step` (a float32 tensor of one element on the same device) holding the step
+count of this step, already incremented. `adam_steps` updates a list of tensors that share the
+hyper-parameters, two tensors per launch (a layer's values and bias: one launch), and advances
+their step counts itself (no separate increment launch); both are capturable in a CUDA graph.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
 from . import kernels
 from .launch import device_properties, launch, launch_mode
 
-__all__ = ["adam_step"]
+__all__ = ["adam_step", "adam_steps"]
 
 _GPU_ONLY = launch_mode() != "sim"  # the simulator takes CPU tensors
 
@@ -36,32 +40,98 @@ def _check(name, t, ref, numel):
         raise ValueError(f"{name} must be contiguous")
 
 
-def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-              step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
-              weight_decay: float = 0.0, decoupled: bool = False) -> None:
-    """Updates param, exp_avg and exp_avg_sq in place (one Adam step; AdamW's decoupled weight
-    decay when `decoupled`). All float32, contiguous, same shape and device; `step` one float32
-    element holding this step's count (>= 1)."""
+def _check_set(param, grad, exp_avg, exp_avg_sq, step, where: str = ""):
     if not isinstance(param, torch.Tensor):
-        raise TypeError(f"param must be a torch.Tensor, got {type(param).__name__}")
+        raise TypeError(f"param{where} must be a torch.Tensor, got {type(param).__name__}")
     n = param.numel()
-    _check("param", param, param, n)
+    _check(f"param{where}", param, param, n)
     if _GPU_ONLY and param.device.type != "cuda":
-        raise ValueError(f"param must be on a CUDA device for snack.gpu, got {param.device}")
+        raise ValueError(f"param{where} must be on a CUDA device for snack.gpu, got {param.device}")
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        _check(name, t, param, n)
-    _check("step", step, param, 1)
+        _check(name + where, t, param, n)
+    _check("step" + where, step, param, 1)
+
+
+def _check_hyper(lr, beta1, beta2, eps, weight_decay):
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     for k, v in hyper.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{k} must be a Python number, got {type(v).__name__}")
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
         raise ValueError(f"beta1 and beta2 must be in [0, 1), got {beta1} and {beta2}")
-    if n == 0:
-        return
+
+
+_DUMMY = {}
+
+
+def _dummies(dev):
+    """(int32 counter, fp32 element) on `dev` for the arguments a launch does not use (distinct
+    from the real ones: the simulator copies every argument back after the kernel)."""
+    d = _DUMMY.get(dev)
+    if d is None:
+        d = _DUMMY[dev] = (torch.zeros(1, dtype=torch.int32, device=dev), torch.zeros(1, device=dev))
+    return d
+
+
+def _launch(sets, counter, inc, lr, beta1, beta2, eps, weight_decay, decoupled):
+    """One launch over one or two (param, grad, exp_avg, exp_avg_sq, step) sets."""
+    first = sets[0]
+    dev = first[0].device
+    n1 = first[0].numel()
+    if len(sets) > 1:
+        second, n2 = sets[1], sets[1][0].numel()
+    else:
+        second, n2 = (_dummies(dev)[1],) * 5, -1
+    if counter is None:
+        counter = _dummies(dev)[0]
     threads = kernels.ADAM_THREADS if _GPU_ONLY else 32
-    n_sm = device_properties(param.device)[0]
-    blocks = max(1, min(-(-n // threads), n_sm * (2048 // threads)))
-    launch(kernels.make_adam_kernel(bool(decoupled)), (blocks, 1), threads, 0,
-           [param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1), step.view(-1)],
-           [n, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)], param.device)
+    n_sm = device_properties(dev)[0]
+    blocks = max(1, min(-(-(n1 + max(n2, 0)) // threads), n_sm * (2048 // threads)))
+    arrays = [t.view(-1) for t in first] + [t.view(-1) for t in second] + [counter.view(-1)]
+    launch(kernels.make_adam_kernel(bool(decoupled)), (blocks, 1), threads, 0, arrays,
+           [n1, n2, int(inc), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)], dev)
+
+
+def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+              step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+              weight_decay: float = 0.0, decoupled: bool = False) -> None:
+    """Updates param, exp_avg and exp_avg_sq in place (one Adam step; AdamW's decoupled weight
+    decay when `decoupled`). All float32, contiguous, same shape and device; `step` one float32
+    element holding this step's count (>= 1), not changed."""
+    _check_set(param, grad, exp_avg, exp_avg_sq, step)
+    _check_hyper(lr, beta1, beta2, eps, weight_decay)
+    if param.numel() == 0:
+        return
+    _launch([(param, grad, exp_avg, exp_avg_sq, step)], None, 0, lr, beta1, beta2, eps, weight_decay, decoupled)
+
+
+def adam_steps(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+               exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], *, counter: torch.Tensor,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
+               decoupled: bool = False) -> None:
+    """One Adam (AdamW when `decoupled`) step of every params[i] with the same hyper-parameters,
+    two tensors per launch. steps[i] (one float32 element) holds the count of the previous step
+    and is advanced by one by the kernel (as torch's optimizers do before their update), so no
+    other launch is needed. counter: int32 on the parameters' device with at least
+    ceil(len(params) / 2) elements, all zero (the kernels leave them zero); launches that may run
+    at the same time (other streams) must not share one. All tensors are checked before any is
+    changed."""
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError("params, grads, exp_avgs, exp_avg_sqs and steps must have the same length, "
+                         f"got {[len(x) for x in lists]}")
+    sets = list(zip(*lists))
+    for i, s in enumerate(sets):
+        _check_set(*s, where=f"[{i}]")
+        if s[0].device != sets[0][0].device:
+            raise ValueError(f"params[{i}] is on {s[0].device} but params[0] is on {sets[0][0].device}")
+    _check_hyper(lr, beta1, beta2, eps, weight_decay)
+    if not isinstance(counter, torch.Tensor) or counter.dtype != torch.int32 or not counter.is_contiguous():
+        raise TypeError("counter must be a contiguous int32 torch.Tensor")
+    if sets and counter.device != sets[0][0].device:
+        raise ValueError(f"counter is on {counter.device} but params[0] is on {sets[0][0].device}")
+    n_launch = -(-len(sets) // 2)
+    if counter.numel() < n_launch:
+        raise ValueError(f"counter must have at least {n_launch} elements, got {counter.numel()}")
+    for j in range(n_launch):
+        _launch(sets[2 * j:2 * j + 2], counter[j:j + 1], 1, lr, beta1, beta2, eps, weight_decay, decoupled)

@@ -37,20 +37,22 @@ def variants():
                     d = kernels.make_spmm_own_kernel(bt, kind, perm, bias)
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "int32", el, "int32", el, el], 3)))
-            d = kernels.make_sddmm_kernel(bt, kind)
-            out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32"], 3)))
+            for with_db in (False, True):
+                d = kernels.make_sddmm_kernel(bt, kind, with_db)
+                out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 3)))
         for perm, bias in ((False, False), (True, False), (False, True)):
             for atomic in (False, True):
                 d = kernels.make_spmm_wide_kernel(kind, perm, atomic, bias)
                 yel = "float32" if atomic else el
                 out.append((d.py_func.__name__, d,
                             _sig([el, "int32", "int32", el, "int32", yel, el], 7)))
-        d = kernels.make_sddmm_wide_kernel(kind)
-        out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32"], 5)))
+        for with_db in (False, True):
+            d = kernels.make_sddmm_wide_kernel(kind, with_db)
+            out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))
     from numba import types
     for decoupled in (False, True):
         d = kernels.make_adam_kernel(decoupled)
-        out.append((d.py_func.__name__, d, _sig(["float32"] * 5, 1) + (types.float64,) * 5))
+        out.append((d.py_func.__name__, d, _sig(["float32"] * 10 + ["int32"], 3) + (types.float64,) * 5))
     return out
 
 

@@ -3,6 +3,7 @@
     spmm(x, topo, values, out=None, bias=None)  x (B, in) contiguous  -> Y (B, out) = X W^T (+ bias)
     spmm_t(dy, topo, values, out=None) dy (B, out) contiguous -> dX (B, in) = dY W
     sddmm(dy, x, topo, out=None)       -> dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
+    sddmm(dy, x, topo, bias_grad=True) -> (dv, db), db (out,) = sum_b dY[b, :] (one launch on the GPU)
 
 with W = topo.shape = (out, in) a canonical row-major `snack.core.Topology` and values (nnz,).
 CUDA tensors go to `snack.gpu` (Numba CUDA kernels on torch's current stream), CPU tensors to
@@ -125,7 +126,7 @@ def _ref_sddmm(dy, x, topo, out=None):
 
 
 _REFERENCE = SimpleNamespace(name="reference", spmm=_ref_spmm, spmm_t=_ref_spmm_t, sddmm=_ref_sddmm,
-                             supports=lambda dtype: True, fused_bias=False)
+                             supports=lambda dtype: True, fused_bias=False, fused_bias_grad=False)
 _loaded = {}          # device type -> backend namespace, or _REFERENCE
 _forced: Optional[str] = None
 _warned = set()
@@ -152,8 +153,12 @@ def _wrap(mod, name):
         fused = "bias" in inspect.signature(mod.spmm).parameters
     except (TypeError, ValueError):  # no introspectable signature (a builtin): add the bias here
         fused = False
+    try:  # an sddmm that takes bias_grad= returns the bias gradient with dv (the GPU kernels)
+        fused_db = "bias_grad" in inspect.signature(mod.sddmm).parameters
+    except (TypeError, ValueError):
+        fused_db = False
     return SimpleNamespace(name=name, spmm=mod.spmm, spmm_t=mod.spmm_t, sddmm=mod.sddmm,
-                           supports=supports, fused_bias=fused)
+                           supports=supports, fused_bias=fused, fused_bias_grad=fused_db)
 
 
 def _load(device_type: str):
@@ -238,9 +243,18 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional
     return _backend(dy).spmm_t(dy, topo, values, out=out)
 
 
-def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch.Tensor] = None):
-    """dv (nnz,) with dv_k = sum_b dY[b, r_k] X[b, c_k]; dy (B, out), x (B, in) contiguous."""
+def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch.Tensor] = None,
+          bias_grad: bool = False):
+    """dv (nnz,) with dv_k = sum_b dY[b, r_k] X[b, c_k]; dy (B, out), x (B, in) contiguous.
+    With bias_grad=True returns (dv, db), db (out,) = sum_b dY[b, :] in dy's dtype: from the
+    same launch on the GPU, dy.sum(0) elsewhere."""
     if topo.nnz == 0 or dy.shape[0] == 0:
         dv = out if out is not None else dy.new_empty(topo.nnz)
-        return dv.zero_()
-    return _backend(dy).sddmm(dy, x, topo, out=out)
+        dv.zero_()
+        return (dv, dy.sum(0)) if bias_grad else dv
+    b = _backend(dy)
+    if not bias_grad:
+        return b.sddmm(dy, x, topo, out=out)
+    if b.fused_bias_grad:
+        return b.sddmm(dy, x, topo, out=out, bias_grad=True)
+    return b.sddmm(dy, x, topo, out=out), dy.sum(0)

@@ -2,7 +2,8 @@
 
 The autograd Function builds every gradient from the same three backend ops:
     forward   Y  = spmm(X, W) + b  (the GPU kernels add b as they write Y)
-    backward  dX = spmm_t(dY, W)      dv = sddmm(dY, X, W)      db = sum_b dY (a GEMV on CUDA)
+    backward  dX = spmm_t(dY, W)      dv = sddmm(dY, X, W)      db = sum_b dY
+(on the GPU db comes from the SDDMM's launch, which reads dY anyway; a GEMV when only db is wanted)
 so nothing of the dense weight's size (out x in) is allocated, in forward or in backward.
 When no gradient is wanted (torch.no_grad, or nothing requires grad) the forward runs without
 the autograd Function, saving its host overhead on every inference call.
@@ -52,9 +53,13 @@ class SparseLinearFunction(torch.autograd.Function):
         dx = dv = db = None
         if ctx.needs_input_grad[0]:
             dx = backend.spmm_t(dy, topo, values)
+        need_db = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1]:
-            dv = backend.sddmm(dy, x, topo)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+            if need_db:
+                dv, db = backend.sddmm(dy, x, topo, bias_grad=True)
+            else:
+                dv = backend.sddmm(dy, x, topo)
+        elif need_db:
             db = _bias_grad(dy)
         return dx, dv, db, None
 

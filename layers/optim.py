@@ -6,8 +6,9 @@
 Drop-in subclasses of `torch.optim.Adam` / `torch.optim.AdamW`: same hyper-parameters, same
 state (`step`, `exp_avg`, `exp_avg_sq`), same `state_dict`, so checkpoints move between them and
 torch's, and `snack.dst` keeps the moments of surviving connections as with torch's Adam. Only
-`step()` differs: each float32 CUDA parameter is updated by one kernel whose grid fills the GPU
-(`snack.gpu.adam_step`), plus one launch that advances every step count. PyTorch's foreach and
+`step()` differs: the float32 CUDA parameters of a group are updated two per kernel launch (a
+layer's values and bias: one launch) by a kernel whose grid fills the GPU and which also advances
+their step counts (`snack.gpu.adam_steps`). PyTorch's foreach and
 fused implementations give each block a 65536-element chunk, which leaves most of the GPU idle
 on a sparse layer's values (1.7 M of them at 4096 x 4096 and 90 % sparsity).
 
@@ -73,6 +74,15 @@ class _SnackAdamStep:
                 return False
         return True
 
+    def _counter(self, device: torch.device, size: int) -> torch.Tensor:
+        """int32 zeros on `device`, at least `size` of them, owned by the optimizer (the kernels
+        leave them zero). A captured graph keeps the one it captured, so a replaced one is kept."""
+        kept = self.__dict__.setdefault("_snack_counters", {})
+        have = kept.setdefault(device, [])
+        if not have or have[-1].numel() < size:
+            have.append(torch.zeros(max(size, 8), dtype=torch.int32, device=device))
+        return have[-1]
+
     def _work(self) -> Optional[List[tuple]]:
         """[(param, group)] with gradients, or None when some of them need torch's step."""
         dev_type = _kernel_device_type()
@@ -102,9 +112,11 @@ class _SnackAdamStep:
             return loss
         if not work:
             return loss
-        from snack.gpu import adam_step
-        steps = []
-        for p, _ in work:
+        from snack.gpu import adam_steps
+        # one launch per two parameters of a group (a layer's values and bias: one), which also
+        # advances their step counts; each launch has its own counter slot (to find its last block)
+        by_group = {}
+        for p, group in work:
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -112,15 +124,19 @@ class _SnackAdamStep:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif state["step"].device != p.device or state["step"].dtype != torch.float32:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
-            steps.append(state["step"])
-        torch._foreach_add_(steps, 1.0)
-        for p, group in work:
-            state = self.state[p]
+            by_group.setdefault((id(group), p.device), (group, []))[1].append(p)
+        used = {}
+        for (_, dev), (group, params) in by_group.items():
+            first = used.get(dev, 0)
+            used[dev] = first + -(-len(params) // 2)
+            counter = self._counter(dev, used[dev])[first:]
             b1, b2 = group["betas"]
-            decoupled = bool(group.get("decoupled_weight_decay", self._decoupled_default))
-            adam_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
-                      lr=float(group["lr"]), beta1=float(b1), beta2=float(b2), eps=float(group["eps"]),
-                      weight_decay=float(group["weight_decay"]), decoupled=decoupled)
+            states = [self.state[p] for p in params]
+            adam_steps(params, [p.grad for p in params], [st["exp_avg"] for st in states],
+                       [st["exp_avg_sq"] for st in states], [st["step"] for st in states], counter=counter,
+                       lr=float(group["lr"]), beta1=float(b1), beta2=float(b2), eps=float(group["eps"]),
+                       weight_decay=float(group["weight_decay"]),
+                       decoupled=bool(group.get("decoupled_weight_decay", self._decoupled_default)))
         return loss
 
 

@@ -24,12 +24,16 @@ def _run_all(coo, B, dtype, gen, **kw):
             torch.full((coo.nnz,), float("nan"), dtype=dtype, device=dev)]
     G.spmm(x, t, v, out=outs[0], **kw)
     G.spmm_t(dy, t, v, out=outs[1], **kw)
-    G.sddmm(dy, x, t, out=outs[2], **{k: a for k, a in kw.items() if k != "split"})
+    sd = {k: a for k, a in kw.items() if k != "split"}
+    G.sddmm(dy, x, t, out=outs[2], **sd)
+    outs.append(torch.full((coo.nnz,), float("nan"), dtype=dtype, device=dev))
+    outs += [G.sddmm(dy, x, t, out=outs[3], bias_grad=True, **sd)[1]]  # dv again, and db
     torch.cuda.synchronize(dev)
     xd, dyd, vd = x.double(), dy.double(), v.double()
     refs = (spmm_reference(xd, t.indices, vd, o), spmm_t_reference(dyd, t.indices, vd, i),
             sddmm_reference(dyd, xd, t.indices))
-    for name, got, ref in zip(("spmm", "spmm_t", "sddmm"), outs, refs):
+    refs += (refs[2], dyd.sum(0))
+    for name, got, ref in zip(("spmm", "spmm_t", "sddmm", "sddmm with db", "db"), outs, refs):
         assert got.device == dev, name
         assert torch.isfinite(got).all(), f"{name}: an output element was not written"
         err = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()

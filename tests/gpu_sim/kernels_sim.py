@@ -34,16 +34,35 @@ def _check(coo, B, dtype, seed, **kw):
     dv = torch.full((coo.nnz,), float("nan"), dtype=dtype)
     G.spmm(x, t, v, out=y, **kw)
     G.spmm_t(dy, t, v, out=dx, **kw)
-    G.sddmm(dy, x, t, out=dv, **kw)
+    # the SDDMM with the bias gradient from the same launch (its variant without db is the same
+    # code less that part: test_sddmm_without_bias_grad)
+    _, db = G.sddmm(dy, x, t, out=dv, bias_grad=True, **{k: a for k, a in kw.items() if k != "split"})
     xd, dyd, vd = x.double(), dy.double(), v.double()
     tol = TOL[dtype]
     refs = (spmm_reference(xd, t.indices, vd, o), spmm_t_reference(dyd, t.indices, vd, i),
-            sddmm_reference(dyd, xd, t.indices))
-    for name, got, ref in zip(("spmm", "spmm_t", "sddmm"), (y, dx, dv), refs):
+            sddmm_reference(dyd, xd, t.indices), dyd.sum(0))
+    assert db.dtype == dtype and db.shape == (o,)
+    for name, got, ref in zip(("spmm", "spmm_t", "sddmm", "db"), (y, dx, dv, db), refs):
         if ref.numel() and ref.norm() > 0:
             assert _rel(got, ref) < tol, name
         else:
             assert torch.equal(got.double(), ref), name
+
+
+@pytest.mark.parametrize("B,kw", [(3, {}), (11, {}), (5, {"wide": True, "chunks": 2}),
+                                  (40, {"wide": True, "chunks": 3})])
+def test_sddmm_without_bias_grad(B, kw):
+    # the SDDMM variants without the bias gradient (tiled one and two tiles, wide one and two
+    # tiles): same dv as the variant with it, against float64
+    coo = COO.random((10, 70), density=0.3, seed=B)
+    g = torch.Generator().manual_seed(B)
+    x, dy = torch.randn(B, 70, generator=g), torch.randn(B, 10, generator=g)
+    dv = torch.full((coo.nnz,), float("nan"))
+    assert G.sddmm(dy, x, coo.topology, out=dv, **kw) is dv
+    dv2, db = G.sddmm(dy, x, coo.topology, bias_grad=True, **kw)
+    assert torch.equal(dv, dv2)
+    assert _rel(dv, sddmm_reference(dy.double(), x.double(), coo.topology.indices)) < TOL[torch.float32]
+    assert _rel(db, dy.double().sum(0)) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("shape,B,density", [
@@ -290,6 +309,52 @@ def test_adam_step_matches_torch_adam(cls, wd):
     torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m, st["exp_avg"], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(v, st["exp_avg_sq"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("sizes", [(4500,), (4500, 7), (0, 33), (3, 0, 2000), (1, 2, 3, 4)])
+def test_adam_steps_advance_step_counts_and_match_torch(sizes):
+    # tensors two per launch (odd counts, empty ones, a second tensor larger than the grid's
+    # first round); the kernel advances every step count itself and leaves the counter at zero
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randn(n, generator=g) for n in sizes]
+    refs = [p.clone().requires_grad_() for p in ps]
+    opt = torch.optim.AdamW(refs, lr=0.02, betas=(0.85, 0.9), eps=1e-7, weight_decay=0.03)
+    ms, vs = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+    steps = [torch.full((), float(i)) for i in range(len(sizes))]  # different counts per tensor
+    counter = torch.zeros(3, dtype=torch.int32)
+    for i, r in enumerate(refs):  # the reference starts from the same counts
+        opt.state[r]["step"] = torch.tensor(float(i))
+        opt.state[r]["exp_avg"], opt.state[r]["exp_avg_sq"] = torch.zeros(sizes[i]), torch.zeros(sizes[i])
+    for _ in range(3):
+        grads = [torch.randn(n, generator=g) for n in sizes]
+        for r, gr in zip(refs, grads):
+            r.grad = gr.clone()
+        opt.step()
+        G.adam_steps(ps, grads, ms, vs, steps, counter=counter, lr=0.02, beta1=0.85, beta2=0.9, eps=1e-7,
+                     weight_decay=0.03, decoupled=True)
+    assert [float(s) for s in steps] == [i + 3.0 for i in range(len(sizes))]
+    assert torch.equal(counter, torch.zeros(3, dtype=torch.int32))
+    for p, r, m, v in zip(ps, refs, ms, vs):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(m, opt.state[r]["exp_avg"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(v, opt.state[r]["exp_avg_sq"], rtol=1e-6, atol=1e-7)
+
+
+def test_adam_steps_bad_input_changes_nothing():
+    ps = [torch.zeros(5), torch.zeros(3)]
+    args = lambda: ([torch.ones(5), torch.ones(3)], [torch.zeros(5), torch.zeros(3)],
+                    [torch.zeros(5), torch.zeros(3)], [torch.ones(()), torch.ones(())])
+    hyper = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8)
+    grads, ms, vs, steps = args()
+    with pytest.raises(ValueError, match=r"exp_avg\[1\] must have 3 elements"):
+        G.adam_steps(ps, grads, [ms[0], torch.zeros(4)], vs, steps, counter=torch.zeros(1, dtype=torch.int32), **hyper)
+    with pytest.raises(ValueError, match="counter must have at least 1"):
+        G.adam_steps(ps, grads, ms, vs, steps, counter=torch.zeros(0, dtype=torch.int32), **hyper)
+    with pytest.raises(TypeError, match="counter must be a contiguous int32"):
+        G.adam_steps(ps, grads, ms, vs, steps, counter=torch.zeros(1), **hyper)
+    with pytest.raises(ValueError, match="same length"):
+        G.adam_steps(ps, grads[:1], ms, vs, steps, counter=torch.zeros(1, dtype=torch.int32), **hyper)
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in ps) and [float(s) for s in steps] == [1.0, 1.0]
 
 
 def test_adam_step_bad_input():
