@@ -908,40 +908,49 @@ def make_adam_kernel(decoupled: bool):
         return pi - step_size * mi / (math.sqrt(vi) / bc2_sqrt + epsf), mi, vi
 
     @cuda.jit(device=True, inline=True)
-    def run(p, g, m, v, n, s, lr, beta1, beta2, eps, wd):
-        step_size = float32(lr / (1.0 - math.pow(beta1, s)))
-        bc2_sqrt = float32(math.sqrt(1.0 - math.pow(beta2, s)))
-        w1 = float32(1.0 - beta1)
-        b2 = float32(beta2)
-        w2 = float32(1.0 - beta2)
-        epsf = float32(eps)
-        wdf = float32(wd)
-        decay = float32(1.0 - lr * wd)
-        i = cuda.grid(1)
-        stride = cuda.gridsize(1)
-        while i < n:
-            gi = g[i]
-            pi = p[i]
-            if DECOUPLED:
-                pi *= decay
-            elif wdf != 0:
-                gi += wdf * pi
-            mi = m[i]
-            mi += w1 * (gi - mi)
-            vi = v[i] * b2 + w2 * gi * gi
-            m[i] = mi
-            v[i] = vi
-            p[i] = pi - step_size * mi / (math.sqrt(vi) / bc2_sqrt + epsf)
-            i += stride
+    def coefficients(s, lr, beta1, beta2):
+        """(lr / (1 - b1^s), sqrt(1 - b2^s)) for step count s."""
+        return (float32(lr / (1.0 - math.pow(beta1, s))), float32(math.sqrt(1.0 - math.pow(beta2, s))))
+
+    @cuda.jit(device=True, inline=True)
+    def update(p, g, m, v, i, step_size, bc2_sqrt, w1, b2, w2, epsf, wdf, decay):
+        gi = g[i]
+        pi = p[i]
+        if DECOUPLED:
+            pi *= decay
+        elif wdf != 0:
+            gi += wdf * pi
+        mi = m[i]
+        mi += w1 * (gi - mi)
+        vi = v[i] * b2 + w2 * gi * gi
+        m[i] = mi
+        v[i] = vi
+        p[i] = pi - step_size * mi / (math.sqrt(vi) / bc2_sqrt + epsf)
 
     def adam(p, g, m, v, step, p2, g2, m2, v2, step2, counter, n, n2, inc, lr, beta1, beta2, eps, wd):
         s = float64(step[0]) + float64(inc)
         s2 = s
         if n2 >= 0:
             s2 = float64(step2[0]) + float64(inc)
-        run(p, g, m, v, n, s, lr, beta1, beta2, eps, wd)
-        if n2 > 0:  # (n2 = 0: only the step count)
-            run(p2, g2, m2, v2, n2, s2, lr, beta1, beta2, eps, wd)
+        ss1, bc1 = coefficients(s, lr, beta1, beta2)
+        ss2, bc2 = coefficients(s2, lr, beta1, beta2)
+        w1 = float32(1.0 - beta1)
+        b2 = float32(beta2)
+        w2 = float32(1.0 - beta2)
+        epsf = float32(eps)
+        wdf = float32(wd)
+        decay = float32(1.0 - lr * wd)
+        # one index space over both tensors (the grid shares them evenly: no block does the
+        # second tensor after its share of the first)
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        total = n + max(n2, 0)
+        while i < total:
+            if i < n:
+                update(p, g, m, v, i, ss1, bc1, w1, b2, w2, epsf, wdf, decay)
+            else:
+                update(p2, g2, m2, v2, i - n, ss2, bc2, w1, b2, w2, epsf, wdf, decay)
+            i += stride
         if inc != 0:
             cuda.syncthreads()  # the whole block has read the step counts
             if cuda.threadIdx.x == 0:
