@@ -25,7 +25,9 @@ accumulated in the output, so no atomics are needed and the result is determinis
 Arrays (all on the GPU, C-contiguous):
   x     (B, n_cols)  float32 / float16 / bfloat16 (passed as int16 bits)   dense operand
   ptr   (n_rows + 1,) int32       row pointers of the CSR order
-  idx   (nnz,) int32              column of each entry in CSR order
+  idx   (nnz,) int32              column of each entry in CSR order (uint16 for the `idx16`
+                                  SpMM variants: same code, a dispatcher of their own; the
+                                  transposed SpMM's row index when W has <= 65536 rows)
   val   (nnz,) like x             values; read as val[perm[k]] when `perm` is given
   perm  (nnz,) int32              (transposed SpMM only) position of CSR entry k in `val`
   y     (B, n_rows) like x        output, every element written exactly once
@@ -175,7 +177,7 @@ def _make_load_step(ld, has_perm):
         c = int32(0)
         v = float32(0.0)
         if k < end:
-            c = idx[uint32(k)]
+            c = int32(idx[uint32(k)])
             if HAS_PERM:
                 v = ld(val, uint32(perm[uint32(k)]))
             else:
@@ -193,7 +195,7 @@ def _make_load_step(ld, has_perm):
 
 
 @functools.lru_cache(maxsize=None)
-def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False):
+def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False, idx16: bool = False):
     """Y[b, r] = sum_k val[k] X[b, idx[k]] (+ bias[r]) over the CSR rows r; see the module docstring.
 
     Signature: (x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch). `perm` is ignored (pass
@@ -272,12 +274,13 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False)
             end = nend
             r = rn
 
-    spmm.__name__ = f"snack_spmm_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
+    spmm.__name__ = (f"snack_spmm_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
+                     f"{'_idx16' if idx16 else ''}")
     return cuda.jit(spmm)
 
 
 @functools.lru_cache(maxsize=None)
-def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False):
+def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False, idx16: bool = False):
     """The tiled SpMM of make_spmm_kernel (same signature, launch and shared memory) for BT in
     {2, 4, 8}, with lanes that own their non-zeros: each lane keeps BT accumulators (one per
     batch column of the tile) and multiplies its own two non-zeros of a warp step by the BT
@@ -388,7 +391,7 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
             r = rn
 
     spmm.__name__ = (f"snack_spmm_own_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}"
-                     f"{'_bias' if has_bias else ''}")
+                     f"{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}")
     return cuda.jit(spmm)
 
 
@@ -587,7 +590,8 @@ def _make_stage_quad(ld):
 
 
 @functools.lru_cache(maxsize=None)
-def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: bool = False):
+def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: bool = False,
+                          idx16: bool = False):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, n_rows, n_cols, batch, nch, cw, rows_per_block,
@@ -742,7 +746,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
             col += dcol
 
     spmm_wide.__name__ = (f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}"
-                          f"{'_atomic' if atomic else ''}{'_bias' if has_bias else ''}")
+                          f"{'_atomic' if atomic else ''}{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}")
     return _jit(spmm_wide, launch_bounds=(1024,))
 
 

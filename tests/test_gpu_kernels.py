@@ -47,7 +47,7 @@ def _run_all(coo, B, dtype, gen, **kw):
 @pytest.mark.parametrize("shape,B,density", [
     ((7, 96), 1, 0.3), ((96, 7), 40, 0.3), ((333, 40), 3, 0.2), ((40, 333), 8, 0.1),
     ((1, 1), 1, 1.0), ((513, 1025), 17, 0.05), ((300, 7000), 33, 0.02), ((64, 70000), 2, 0.001),
-    ((1000, 200), 130, 0.5),
+    ((1000, 200), 130, 0.5), ((70000, 64), 100, 0.01),  # > 65536 rows: int32 transposed index
 ])
 def test_ops_match_reference(shape, B, density, dtype, gen):
     from snack.core import COO

@@ -68,4 +68,4 @@ def test_tiled_kernel_variant_by_batch_tile(h200, transposed, batch, own):
     assert name.startswith("snack_spmm_")
     bt = min(8, 1 << (batch - 1).bit_length())
     maker = kernels.make_spmm_own_kernel if own else kernels.make_spmm_kernel
-    assert kern is maker(bt, 0, transposed, False)
+    assert kern is maker(bt, 0, transposed, False, transposed)  # transposed: uint16 row index (50 rows)
