@@ -1,4 +1,4 @@
-"""Runs every SNACK kernel variant (and the fused Adam step) once on small odd shapes and checks the results; meant to be run
+"""Runs every SNACK kernel variant (and the fused Adam steps) once on small odd shapes and checks the results; meant to be run
 under `compute-sanitizer --tool memcheck` and `--tool racecheck` on the GPU machine.
 """
 from __future__ import annotations
@@ -30,6 +30,10 @@ def main():
                                  (G.spmm_t(dy, t, v, **opts), dxref), (G.sddmm(dy, x, t, **sd), dvref)):
                     e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     worst = max(worst, e if dt == torch.float32 else e / 100)
+                dv, db = G.sddmm(dy, x, t, bias_grad=True, **sd)  # with the bias gradient
+                for got, ref in ((dv, dvref), (db, dy.double().sum(0))):
+                    e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                    worst = max(worst, e if dt == torch.float32 else e / 100)
     # the fused Adam step (AdamW's decay too) against torch's, several grid-stride rounds
     for cls in (torch.optim.Adam, torch.optim.AdamW):
         p = torch.randn(300_001, device="cuda")
@@ -44,6 +48,20 @@ def main():
             G.adam_step(p, grad, m, v, step, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                         decoupled=cls is torch.optim.AdamW)
         worst = max(worst, ((p - ref.detach()).norm() / ref.norm()).item())
+    # two tensors per launch, step counts advanced by the kernel (three tensors: two launches)
+    ps = [torch.randn(n, device="cuda") for n in (300_001, 77, 5000)]
+    refs = [p.clone().requires_grad_() for p in ps]
+    opt = torch.optim.Adam(refs, lr=0.01)
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    steps, counter = [torch.zeros((), device="cuda") for _ in ps], torch.zeros(2, dtype=torch.int32, device="cuda")
+    for _ in range(2):
+        grads = [torch.randn_like(p) for p in ps]
+        for r, gr in zip(refs, grads):
+            r.grad = gr.clone()
+        opt.step()
+        G.adam_steps(ps, grads, ms, vs, steps, counter=counter, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8)
+    assert [float(s) for s in steps] == [2.0] * 3 and int(counter.abs().sum()) == 0
+    worst = max([worst] + [((p - r.detach()).norm() / r.norm()).item() for p, r in zip(ps, refs)])
     torch.cuda.synchronize()
     print(f"sanitize run done, worst scaled relative error {worst:.2e}")
     assert worst < 1e-4
