@@ -133,5 +133,11 @@ def adam_steps(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
     n_launch = -(-len(sets) // 2)
     if counter.numel() < n_launch:
         raise ValueError(f"counter must have at least {n_launch} elements, got {counter.numel()}")
-    for j in range(n_launch):
+    run_steps(sets, counter, lr, beta1, beta2, eps, weight_decay, decoupled)
+
+
+def run_steps(sets, counter, lr, beta1, beta2, eps, weight_decay, decoupled) -> None:
+    """`adam_steps` without its checks, for callers that guarantee them (snack.optim, whose step
+    checks every tensor already): sets is a list of (param, grad, exp_avg, exp_avg_sq, step)."""
+    for j in range(-(-len(sets) // 2)):
         _launch(sets[2 * j:2 * j + 2], counter[j:j + 1], 1, lr, beta1, beta2, eps, weight_decay, decoupled)

@@ -112,7 +112,7 @@ class _SnackAdamStep:
             return loss
         if not work:
             return loss
-        from snack.gpu import adam_steps
+        from snack.gpu.optim import run_steps  # adam_steps less its checks: _work made them
         # one launch per two parameters of a group (a layer's values and bias: one), which also
         # advances their step counts; each launch has its own counter slot (to find its last block)
         by_group = {}
@@ -131,12 +131,13 @@ class _SnackAdamStep:
             used[dev] = first + -(-len(params) // 2)
             counter = self._counter(dev, used[dev])[first:]
             b1, b2 = group["betas"]
-            states = [self.state[p] for p in params]
-            adam_steps(params, [p.grad for p in params], [st["exp_avg"] for st in states],
-                       [st["exp_avg_sq"] for st in states], [st["step"] for st in states], counter=counter,
-                       lr=float(group["lr"]), beta1=float(b1), beta2=float(b2), eps=float(group["eps"]),
-                       weight_decay=float(group["weight_decay"]),
-                       decoupled=bool(group.get("decoupled_weight_decay", self._decoupled_default)))
+            sets = []
+            for p in params:
+                st = self.state[p]
+                sets.append((p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"]))
+            run_steps(sets, counter, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                      float(group["weight_decay"]),
+                      bool(group.get("decoupled_weight_decay", self._decoupled_default)))
         return loss
 
 
