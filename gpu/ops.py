@@ -219,7 +219,7 @@ def _perm32(topo: Topology) -> torch.Tensor:
 _dummies = {}
 
 
-def _dummy_f32(device, dtype=torch.float32) -> torch.Tensor:
+def dummy_array(device, dtype=torch.float32) -> torch.Tensor:
     """A 1-element array (fp32 unless told) for a kernel argument that the launch never touches;
     one per device and dtype, never one of the call's own tensors (the simulator copies every
     argument back after the kernel)."""
@@ -453,12 +453,12 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     kern, grid, smem, (a1, a2), scalars, needs_acc = plan
     # fp32 partial sums across batch tiles (never aliased with dv: the simulator copies each
     # argument back separately)
-    acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if needs_acc else _dummy_f32(x.device)
+    acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if needs_acc else dummy_array(x.device)
     if bias_grad:
         db = torch.empty(n_out, dtype=dy.dtype, device=dy.device)
-        dbacc = torch.empty(n_out, dtype=torch.float32, device=x.device) if needs_acc else _dummy_f32(x.device)
+        dbacc = torch.empty(n_out, dtype=torch.float32, device=x.device) if needs_acc else dummy_array(x.device)
     else:
-        db, dbacc = _dummy_f32(x.device, dy.dtype), _dummy_f32(x.device)
+        db, dbacc = dummy_array(x.device, dy.dtype), dummy_array(x.device)
     launch(kern, grid, threads, smem, [as_kernel_array(x), as_kernel_array(dy), a1, a2, as_kernel_array(dv), acc,
                                        as_kernel_array(db), dbacc], scalars, x.device)
     return (dv, db) if bias_grad else dv

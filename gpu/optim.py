@@ -21,6 +21,7 @@ import torch
 
 from . import kernels
 from .launch import device_properties, launch, launch_mode
+from .ops import dummy_array
 
 __all__ = ["adam_step", "adam_steps"]
 
@@ -61,18 +62,6 @@ def _check_hyper(lr, beta1, beta2, eps, weight_decay):
         raise ValueError(f"beta1 and beta2 must be in [0, 1), got {beta1} and {beta2}")
 
 
-_DUMMY = {}
-
-
-def _dummies(dev):
-    """(int32 counter, fp32 element) on `dev` for the arguments a launch does not use (distinct
-    from the real ones: the simulator copies every argument back after the kernel)."""
-    d = _DUMMY.get(dev)
-    if d is None:
-        d = _DUMMY[dev] = (torch.zeros(1, dtype=torch.int32, device=dev), torch.zeros(1, device=dev))
-    return d
-
-
 def _launch(sets, counter, inc, lr, beta1, beta2, eps, weight_decay, decoupled):
     """One launch over one or two (param, grad, exp_avg, exp_avg_sq, step) sets."""
     first = sets[0]
@@ -81,9 +70,9 @@ def _launch(sets, counter, inc, lr, beta1, beta2, eps, weight_decay, decoupled):
     if len(sets) > 1:
         second, n2 = sets[1], sets[1][0].numel()
     else:
-        second, n2 = (_dummies(dev)[1],) * 5, -1
+        second, n2 = (dummy_array(dev),) * 5, -1
     if counter is None:
-        counter = _dummies(dev)[0]
+        counter = dummy_array(dev, torch.int32)
     threads = kernels.ADAM_THREADS if _GPU_ONLY else 32
     n_sm = device_properties(dev)[0]
     blocks = max(1, min(-(-(n1 + max(n2, 0)) // threads), n_sm * (2048 // threads)))
