@@ -933,11 +933,11 @@ def make_adam_kernel(decoupled: bool):
 
     def adam(p, g, m, v, step, p2, g2, m2, v2, step2, counter, n, n2, inc, lr, beta1, beta2, eps, wd):
         s = float64(step[0]) + float64(inc)
-        s2 = s
+        ss1, bc1 = coefficients(s, lr, beta1, beta2)
+        s2, ss2, bc2 = s, ss1, bc1  # no second tensor: nothing more to compute
         if n2 >= 0:
             s2 = float64(step2[0]) + float64(inc)
-        ss1, bc1 = coefficients(s, lr, beta1, beta2)
-        ss2, bc2 = coefficients(s2, lr, beta1, beta2)
+            ss2, bc2 = coefficients(s2, lr, beta1, beta2)
         w1 = float32(1.0 - beta1)
         b2 = float32(beta2)
         w2 = float32(1.0 - beta2)
