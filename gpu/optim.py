@@ -15,6 +15,7 @@ their step counts itself (no separate increment launch); both are capturable in 
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -77,8 +78,9 @@ def _launch(sets, counter, inc, lr, beta1, beta2, eps, weight_decay, decoupled):
     n_sm = device_properties(dev)[0]
     blocks = max(1, min(-(-(n1 + max(n2, 0)) // threads), n_sm * (2048 // threads)))
     arrays = [t.view(-1) for t in first] + [t.view(-1) for t in second] + [counter.view(-1)]
+    lb = [math.log(b) if b > 0 else -math.inf for b in (float(beta1), float(beta2))]
     launch(kernels.make_adam_kernel(bool(decoupled)), (blocks, 1), threads, 0, arrays,
-           [n1, n2, int(inc), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)], dev)
+           [n1, n2, int(inc), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)] + lb, dev)
 
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

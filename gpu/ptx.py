@@ -61,7 +61,7 @@ def variants():
     from numba import types
     for decoupled in (False, True):
         d = kernels.make_adam_kernel(decoupled)
-        out.append((d.py_func.__name__, d, _sig(["float32"] * 10 + ["int32"], 3) + (types.float64,) * 5))
+        out.append((d.py_func.__name__, d, _sig(["float32"] * 10 + ["int32"], 3) + (types.float64,) * 7))
     return out
 
 
