@@ -118,20 +118,22 @@ class Topology:
     Backends may store their own derived arrays in `cache` (keyed by name).
     """
 
-    __slots__ = ("indices", "shape", "cache")
+    __slots__ = ("indices", "shape", "cache", "_nnz", "_device")
 
     def __init__(self, indices: torch.Tensor, shape: Tuple[int, int]):
-        self.indices = indices
+        self.indices = indices  # fixed once built: nnz and device are read from it here
         self.shape = (int(shape[0]), int(shape[1]))
         self.cache = {}
+        self._nnz = int(indices.shape[1])
+        self._device = indices.device
 
     @property
     def nnz(self) -> int:
-        return int(self.indices.shape[1])
+        return self._nnz
 
     @property
     def device(self) -> torch.device:
-        return self.indices.device
+        return self._device
 
     def _get(self, name, build):
         v = self.cache.get(name)

@@ -31,7 +31,7 @@ import torch
 
 from snack.core.coo import Topology
 from . import kernels
-from .launch import as_kernel_array, device_properties, launch, launch_mode, zero
+from .launch import BoundLaunch, as_kernel_array, device_properties, launch, launch_mode, zero
 
 __all__ = ["spmm", "spmm_t", "sddmm", "choose_tile", "wide_chunks", "WIDE_FROM", "WIDE_DENSITY"]
 
@@ -70,7 +70,7 @@ def _check_values(values, nnz: int, dtype, dev: torch.device):
 
 def _check_out(out, shape, dtype, device):
     if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty(*shape, dtype=dtype, device=device)  # (sizes as arguments: faster to parse)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
@@ -271,8 +271,11 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     """What the SpMM launch needs beyond the per-call tensors, cached on the topology per
     (order, batch, dtype, options, bias or not): (kernel, grid, smem, [index arrays], [scalars],
     atomic?), or None when no variant fits in shared memory (torch fallback)."""
-    return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias),
-                        _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
+    key = ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias)
+    plan = topo.cache.get(key, _NO_PLAN)
+    if plan is not _NO_PLAN:  # (the lookup of _cached_plan, inline: this is every call's path)
+        return plan
+    return _cached_plan(topo, key, _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias)
 
 
@@ -299,8 +302,9 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
             kern = kernels.make_spmm_wide_kernel(kind, perm is not None, nsplit > 1, has_bias, idx16)
-            return (kern, (nsplit, ntiles, gy), smem, [_seg(topo, transposed, nch, cw), idx, third],
-                    [n_rows, n_cols, batch, nch, cw, rpb, cps], nsplit > 1)
+            return _spmm_launch(kern, (nsplit, ntiles, gy), threads, smem,
+                                [_seg(topo, transposed, nch, cw), idx, third],
+                                [n_rows, n_cols, batch, nch, cw, rpb, cps], nsplit > 1)
     tile, smem = choose_tile(batch, n_cols, device, bt)
     if tile is None:
         return None
@@ -310,7 +314,15 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
         kern = kernels.make_spmm_own_kernel(tile, kind, perm is not None, has_bias, idx16)
     else:
         kern = kernels.make_spmm_kernel(tile, kind, perm is not None, has_bias, idx16)
-    return (kern, (ntiles, gy), smem, [ptr, idx, third], [n_rows, n_cols, batch], False)
+    return _spmm_launch(kern, (ntiles, gy), threads, smem, [ptr, idx, third], [n_rows, n_cols, batch], False)
+
+
+def _spmm_launch(kern, grid, threads, smem, index, scalars, atomic):
+    """The plan's tuple: (kernel, grid, smem, index arrays, scalars, atomic?, BoundLaunch taking
+    [x, values, output, bias or values])."""
+    a1, a2, a3 = index
+    return (kern, grid, smem, index, scalars, atomic,
+            BoundLaunch(kern, grid, threads, smem, [None, a1, a2, None, a3, None, None], scalars))
 
 
 def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, split, dev):
@@ -320,15 +332,14 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
                       bias is not None)
     if plan is None:
         return False
-    kern, grid, smem, (a1, a2, a3), scalars, atomic = plan
+    atomic, bound = plan[5], plan[6]
     target = y
     if atomic:  # partial rows are added: a zeroed fp32 output
         target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=dev)
         zero(target)
     vals = as_kernel_array(values)
-    launch(kern, grid, threads, smem,  # without a bias, `values` stands in for the unread argument
-           [as_kernel_array(x), a1, a2, vals, a3, as_kernel_array(target),
-            vals if bias is None else as_kernel_array(bias)], scalars, dev)
+    # without a bias, `values` stands in for the unread argument
+    bound([as_kernel_array(x), vals, as_kernel_array(target), vals if bias is None else as_kernel_array(bias)], dev)
     if target is not y:
         y.copy_(target)
     return True
@@ -450,7 +461,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         from snack.core.reference import sddmm_reference
         dv.copy_(sddmm_reference(dy.float(), x.float(), topo.indices))
         return done()
-    kern, grid, smem, (a1, a2), scalars, needs_acc = plan
+    needs_acc, bound = plan[5], plan[6]
     # fp32 partial sums across batch tiles (never aliased with dv: the simulator copies each
     # argument back separately)
     acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if needs_acc else dummy_array(x.device)
@@ -459,8 +470,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         dbacc = torch.empty(n_out, dtype=torch.float32, device=x.device) if needs_acc else dummy_array(x.device)
     else:
         db, dbacc = dummy_array(x.device, dy.dtype), dummy_array(x.device)
-    launch(kern, grid, threads, smem, [as_kernel_array(x), as_kernel_array(dy), a1, a2, as_kernel_array(dv), acc,
-                                       as_kernel_array(db), dbacc], scalars, x.device)
+    bound([as_kernel_array(x), as_kernel_array(dy), as_kernel_array(dv), acc, as_kernel_array(db), dbacc], x.device)
     return (dv, db) if bias_grad else dv
 
 
@@ -478,12 +488,21 @@ def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with
         if smem <= device_properties(device)[1]:
             ntiles = -(-batch // kernels.WIDE)
             gy = _grid_rows(n_out, nch, smem, device, threads, _WIDE_REGS)
-            return (kernels.make_sddmm_wide_kernel(kind, with_db), (nch, gy), smem,
-                    [_seg(topo, False, nch, cw), topo.indices[1]], [n_out, n_in, batch, nch, cw], ntiles > 1)
+            return _sddmm_launch(kernels.make_sddmm_wide_kernel(kind, with_db), (nch, gy), threads, smem,
+                                 [_seg(topo, False, nch, cw), topo.indices[1]], [n_out, n_in, batch, nch, cw],
+                                 ntiles > 1)
     tile, smem = choose_tile(batch, n_in, device, bt)
     if tile is None:
         return None
     ntiles = -(-batch // tile)
     gy = _grid_rows(n_out, 1, smem, device, threads)
-    return (kernels.make_sddmm_kernel(tile, kind, with_db), (1, gy), smem, [topo.row_ptr, topo.indices[1]],
-            [n_out, n_in, batch], ntiles > 1)
+    return _sddmm_launch(kernels.make_sddmm_kernel(tile, kind, with_db), (1, gy), threads, smem,
+                         [topo.row_ptr, topo.indices[1]], [n_out, n_in, batch], ntiles > 1)
+
+
+def _sddmm_launch(kern, grid, threads, smem, index, scalars, needs_acc):
+    """The plan's tuple: (kernel, grid, smem, index arrays, scalars, fp32 accumulators?,
+    BoundLaunch taking [x, dy, dv, acc, db, dbacc])."""
+    a1, a2 = index
+    return (kern, grid, smem, index, scalars, needs_acc,
+            BoundLaunch(kern, grid, threads, smem, [None, None, a1, a2, None, None, None, None], scalars))

@@ -66,3 +66,83 @@ def test_threads_launching_one_kernel_do_not_mix_their_arguments():
     assert len(seen) == 200
     for tid, first, ptrs, _, _ in seen:
         assert first == ptrs[0] == mine[tid], "a launch read another thread's arguments"
+
+
+def _read_params(params, n):
+    """The kernel arguments as cuLaunchKernel reads them: params is an array of n pointers, each
+    to one 8-byte argument."""
+    import ctypes
+    ptrs = (ctypes.c_uint64 * n).from_address(params)
+    return [ctypes.c_int64.from_address(p).value for p in ptrs]
+
+
+def _bound_with_fake_driver(monkeypatch, arrays, scalars, seen, grid=(3, 2), block=256, smem=100):
+    """A BoundLaunch on the driver path with the CUDA calls replaced: the launch records what
+    the kernel would receive."""
+    from snack.gpu import launch as L
+    monkeypatch.setattr(L, "_mode", "driver")
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_raw_stream", lambda idx: 77)
+    dispatcher = object()
+    k = _kernel_with_fake_driver(len(arrays), len(scalars), [])
+    k.max_threads = 128
+    n = 7 * len(arrays) + len(scalars)
+
+    def fake_launch(fn, gx, gy, gz, bx, by, bz, s, stream, params, extra):
+        seen.append(dict(args=_read_params(params, n), grid=(gx, gy, gz), block=(bx, by, bz), smem=s,
+                         stream=stream, thread=threading.current_thread().name))
+        time.sleep(1e-5)
+        return 0
+
+    k._launch = fake_launch
+    bound = L.BoundLaunch(dispatcher, grid, block, smem, arrays, scalars)
+    return bound, k, dispatcher
+
+
+def test_bound_launch_writes_fixed_arguments_once_and_per_call_arrays_when_they_change(monkeypatch):
+    from snack.gpu import launch as L
+    seen = []
+    fa, fb = torch.zeros(6, dtype=torch.int32), torch.zeros(9, dtype=torch.int16)
+    x1, y = torch.zeros(5), torch.zeros(4, dtype=torch.float64)
+    bound, k, disp = _bound_with_fake_driver(monkeypatch, [fa, None, fb, None], [5, 2.5], seen)
+    monkeypatch.setitem(L._driver_kernels, (id(disp), 0, fa.dtype, y.dtype, fb.dtype), k)
+    dev = torch.device("cuda", 0)
+    x2 = torch.zeros(8)
+    bound([x1, y], dev)
+    bound([x2, y], dev)
+    bound([x2[:3], y], dev)  # same pointer, fewer elements: rewritten too
+    assert len(seen) == 3
+    for call, x in zip(seen, (x1, x2, x2[:3])):
+        a = call["args"]
+        for j, t in enumerate((fa, x, fb, y)):
+            assert a[7 * j + 4] == t.data_ptr(), f"argument {j}: wrong pointer"
+            assert a[7 * j + 2] == a[7 * j + 5] == t.numel(), f"argument {j}: wrong length"
+            assert a[7 * j + 3] == a[7 * j + 6] == t.element_size(), f"argument {j}: wrong item size"
+        assert a[28] == 5 and a[29] == int(np.float64(2.5).view(np.int64))
+        assert call["grid"] == (3, 2, 1) and call["block"] == (128, 1, 1)  # capped at the kernel's maximum
+        assert call["smem"] == 100 and call["stream"] == 77
+
+
+def test_bound_launch_from_several_threads_keeps_each_calls_arrays(monkeypatch):
+    from snack.gpu import launch as L
+    seen = []
+    fixed = torch.zeros(3)
+    bound, k, disp = _bound_with_fake_driver(monkeypatch, [fixed, None], [], seen)
+    tensors = [torch.zeros(i + 1) for i in range(4)]
+    monkeypatch.setitem(L._driver_kernels, (id(disp), 0, fixed.dtype, tensors[0].dtype, fixed.dtype), k)
+    mine = {}
+
+    def worker(t):
+        mine[threading.current_thread().name] = t.data_ptr()
+        for _ in range(50):
+            bound([t], torch.device("cuda", 0))
+
+    threads = [threading.Thread(target=worker, args=(t,), name=f"w{i}") for i, t in enumerate(tensors)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(seen) == 200
+    for call in seen:
+        assert call["args"][7 + 4] == mine[call["thread"]], "a launch read another thread's arguments"
+        assert call["args"][4] == fixed.data_ptr()
