@@ -51,9 +51,12 @@ class SparseLinearFunction(torch.autograd.Function):
         topo = ctx.topo
         dy = dy.contiguous()
         dx = dv = db = None
+        need_db = ctx.has_bias and ctx.needs_input_grad[2]
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and dy.is_cuda and \
+                torch.cuda.is_current_stream_capturing():
+            return _backward_two_branches(dy, x, values, topo, need_db)
         if ctx.needs_input_grad[0]:
             dx = backend.spmm_t(dy, topo, values)
-        need_db = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1]:
             if need_db:
                 dv, db = backend.sddmm(dy, x, topo, bias_grad=True)
@@ -62,6 +65,35 @@ class SparseLinearFunction(torch.autograd.Function):
         elif need_db:
             db = _bias_grad(dy)
         return dx, dv, db, None
+
+
+# Under CUDA-graph capture the backward's two independent ops become two branches of the graph:
+# the SDDMM (dv, db) on a side stream while dX runs on the capturing stream, so the kernels' tails
+# overlap (H200, 4096 x 4096, 90%, B = 32, captured training step with snack.optim.Adam: 89.4 ->
+# 86.0 us per replay). Eager calls keep one stream: there the stream switches would add host
+# time to a host-bound step. One side stream per device, created on first use.
+_SIDE = {}
+
+
+def _backward_two_branches(dy, x, values, topo, need_db):
+    cur = torch.cuda.current_stream(dy.device)
+    side = _SIDE.get(dy.device)
+    if side is None:
+        side = _SIDE[dy.device] = torch.cuda.Stream(dy.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        x.record_stream(side)
+        dy.record_stream(side)
+        if need_db:
+            dv, db = backend.sddmm(dy, x, topo, bias_grad=True)
+        else:
+            dv, db = backend.sddmm(dy, x, topo), None
+    dx = backend.spmm_t(dy, topo, values)
+    cur.wait_stream(side)
+    dv.record_stream(cur)
+    if db is not None:
+        db.record_stream(cur)
+    return dx, dv, db, None
 
 
 # A float32 vector of ones per CUDA device for the bias gradient, grown by doubling and never
