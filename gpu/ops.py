@@ -37,7 +37,8 @@ __all__ = ["spmm", "spmm_t", "sddmm", "choose_tile", "wide_chunks", "WIDE_FROM",
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _THREADS = 32 if launch_mode() == "sim" else 1024  # the simulator runs one OS thread per CUDA thread
-_GPU_ONLY = launch_mode() != "sim"  # the simulator takes CPU tensors
+_SIM = launch_mode() == "sim"
+_GPU_ONLY = not _SIM  # the simulator takes CPU tensors
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device):
@@ -328,18 +329,22 @@ def _spmm_launch(kern, grid, threads, smem, index, scalars, atomic):
 def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, split, dev):
     """Launches the SpMM (+ bias, added by the kernel) on the CSR order (transposed: the CSC
     order) of topo into y; dev is the tensors' device."""
-    plan = _spmm_plan(topo, transposed, x.shape[0], _KIND[x.dtype], dev, bt, threads, wide, chunks, split,
-                      bias is not None)
+    kind = _KIND[x.dtype]
+    plan = _spmm_plan(topo, transposed, x.shape[0], kind, dev, bt, threads, wide, chunks, split, bias is not None)
     if plan is None:
         return False
     atomic, bound = plan[5], plan[6]
     target = y
     if atomic:  # partial rows are added: a zeroed fp32 output
-        target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=dev)
+        target = y if kind == 0 else torch.empty(y.shape, dtype=torch.float32, device=dev)
         zero(target)
-    vals = as_kernel_array(values)
     # without a bias, `values` stands in for the unread argument
-    bound([as_kernel_array(x), vals, as_kernel_array(target), vals if bias is None else as_kernel_array(bias)], dev)
+    if kind == 2 or _SIM:  # bfloat16 as int16 bits; 1-D numpy views under the simulator
+        vals = as_kernel_array(values)
+        bound([as_kernel_array(x), vals, as_kernel_array(target), vals if bias is None else as_kernel_array(bias)],
+              dev)
+    else:
+        bound([x, values, target, values if bias is None else bias], dev)
     if target is not y:
         y.copy_(target)
     return True
