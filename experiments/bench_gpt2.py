@@ -1,0 +1,323 @@
+"""GPT-2 end to end: peak training memory and CUDA-graph inference latency, SNACK vs dense vs Dense+Mask.
+
+    python experiments/bench_gpt2.py                          # GPU: GPT-2 small (124 M), 90 / 95 / 99 %
+    python experiments/bench_gpt2.py --sparsities=0.99 --infer_batch=1
+    python experiments/bench_gpt2.py --device=cpu --tiny      # smoke test, seconds
+
+The model is transformers' GPT2LMHeadModel built from a GPT2Config (random weights: no download;
+the values of the weights change neither time nor memory), dropout off, fp32, TF32 off as torch's
+default. For each sparsity the transformer blocks' Conv1D layers (attention c_attn / c_proj, MLP
+c_fc / c_proj: 48 layers, 85 M of GPT-2 small's 124 M parameters) become
+    snack      `snack.sparsify(model, sparsity)`: SparseLinear, the largest magnitudes kept
+    densemask  the same masks on the dense weights, applied at every forward (a torch
+               parametrization W * M, so the weight gradient is masked too)
+and `dense` is the unchanged model. The tied lm_head / token embedding, the position embedding
+and the layer norms stay dense in every method (sparsify leaves tied weights alone).
+Measured per method:
+    train   steps of AdamW (torch's, the same for every method; --optimizer snack-adamw takes
+            snack.optim.AdamW) on `batch` x `seq` random tokens with the language-model loss:
+            peak memory (torch.cuda.max_memory_allocated over three steps, above what was
+            allocated before the model was built: weights, gradients, optimizer state,
+            activations) and the eager step time (median)
+    infer   logits of `infer_batch` x `infer_seq` tokens under torch.no_grad(): GPU time from
+            replays of the forward captured in a CUDA graph (checked first: output poisoned,
+            replayed, compared) and the eager time (median, L2 flushed)
+Before timing, every SNACK model's logits are compared with the Dense+Mask model's (same masks,
+same weights; column rel_err).
+Writes a tidy CSV (one row per method x phase x sparsity, with the GPU, versions, git commit and
+ratios vs dense and vs Dense+Mask: > 1 means SNACK uses less) and prints a table. Figure:
+experiments/plot_gpt2.py. About 2 minutes on the H200 at the defaults.
+On the CPU (--device cpu) times are wall-clock medians and memory / graph columns are blank.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import gc
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import snack  # noqa: E402
+from experiments.bench_layer import capture, environment, eager_us, graph_us  # noqa: E402
+
+METHODS = ("snack", "dense", "densemask")
+NAN = float("nan")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--sparsities", default="0.9,0.95,0.99")
+    p.add_argument("--n_layer", type=int, default=12)
+    p.add_argument("--n_embd", type=int, default=768)
+    p.add_argument("--n_head", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--batch", type=int, default=8, help="training batch (sequences)")
+    p.add_argument("--seq", type=int, default=256, help="training sequence length")
+    p.add_argument("--infer_batch", type=int, default=1)
+    p.add_argument("--infer_seq", type=int, default=128)
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "snack-adamw"])
+    p.add_argument("--warmup_ms", type=int, default=25)
+    p.add_argument("--rep_ms", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="2 layers of width 64, short sequences: a smoke test")
+    p.add_argument("--out", default=None, help="CSV path (default results/bench_gpt2[_cpu].csv)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.n_layer, args.n_embd, args.n_head, args.vocab = 2, 64, 4, 512
+        args.batch, args.seq, args.infer_batch, args.infer_seq = 2, 16, 1, 16
+        args.rep_ms, args.warmup_ms = 20, 5
+    sp = [float(s) for s in args.sparsities.split(",") if s.strip()]
+    if not sp or any(not 0.0 <= s < 1.0 for s in sp):
+        p.error(f"--sparsities must be numbers in [0, 1), got {args.sparsities!r}")
+    args.sparsity_list = sp
+    for k in ("n_layer", "n_embd", "n_head", "vocab", "batch", "seq", "infer_batch", "infer_seq"):
+        if getattr(args, k) < 1:
+            p.error(f"--{k} must be >= 1, got {getattr(args, k)}")
+    if args.n_embd % args.n_head:
+        p.error(f"--n_embd ({args.n_embd}) must be a multiple of --n_head ({args.n_head})")
+    if args.out is None:
+        args.out = str(ROOT / "results" / ("bench_gpt2.csv" if args.device == "cuda" else "bench_gpt2_cpu.csv"))
+    return args
+
+
+# ---- the models -----------------------------------------------------------------------------------
+def dense_model(args) -> nn.Module:
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as e:
+        raise SystemExit("bench_gpt2 needs transformers: pip install -e '.[experiments]'") from e
+    torch.manual_seed(args.seed)
+    cfg = GPT2Config(vocab_size=args.vocab, n_positions=max(args.seq, args.infer_seq, 16), n_embd=args.n_embd,
+                     n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     use_cache=False)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+class _Mask(nn.Module):
+    """W -> W * M (a parametrization: the mask is applied at every forward and masks the
+    gradient of the underlying weight too)."""
+
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        self.register_buffer("mask", mask)
+
+    def forward(self, w):
+        return w * self.mask
+
+
+def sparse_pair(dense: nn.Module, sparsity: float):
+    """(SNACK model, Dense+Mask model with the same masks, sparsify's summary), built on the CPU."""
+    sp = copy.deepcopy(dense)
+    sp, summary = snack.sparsify(sp, sparsity, summary=True)
+    dm = copy.deepcopy(dense)
+    for row in summary.rows:
+        layer = sp.get_submodule(row.name)
+        target = dm.get_submodule(row.name)
+        with torch.no_grad():
+            mask = (layer.to_dense() != 0).to(target.weight.dtype)
+            if type(target).__name__ == "Conv1D":  # weight stored (in, out)
+                mask = mask.t().contiguous()
+            target.weight.mul_(mask)
+        parametrize.register_parametrization(target, "weight", _Mask(mask))
+    return sp, dm, summary
+
+
+# ---- measurements ---------------------------------------------------------------------------------
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_optimizer(model, args):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.optimizer == "snack-adamw":
+        return snack.optim.AdamW(params, lr=1e-5)
+    return torch.optim.AdamW(params, lr=1e-5)
+
+
+def measure_train(build, device, args) -> Dict[str, float]:
+    """Peak memory (MB) above the baseline before `build()` and the eager step time (us)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    model = build().to(device).train()
+    opt = make_optimizer(model, args)
+    g = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        return out.loss
+
+    losses = [float(step().detach()) for _ in range(3)]
+    _sync(device)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20 if device.type == "cuda" else NAN
+    if not all(math.isfinite(v) for v in losses):
+        raise RuntimeError(f"non-finite training loss {losses}")
+    t = _step_us(step, device, args)
+    del model, opt
+    return dict(peak_mb=peak, eager_us=t, loss=losses[-1])
+
+
+def _step_us(fn, device, args) -> float:
+    """Median wall time of a training step (synchronized), microseconds."""
+    for _ in range(2):
+        fn()
+    _sync(device)
+    times, t_end = [], time.perf_counter() + args.rep_ms / 1e3
+    while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def measure_infer(model, ids, device, args, expected=None) -> Dict[str, float]:
+    """Eager and CUDA-graph forward latency (us) of the logits; graph_check says whether the
+    replayed graph reproduced the eager logits."""
+    model = model.to(device).eval()
+
+    def fwd():
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    ref = fwd() if expected is None else expected
+    res = dict(eager_us=eager_us(fwd, device, args), graph_us=NAN, graph_check="")
+    if device.type == "cuda":
+        try:
+            g, out = capture(fwd)
+        except Exception as e:  # a model whose forward cannot be captured: say so, keep the eager time
+            res["graph_check"] = f"capture failed: {type(e).__name__}"
+            return res
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ok = bool(torch.allclose(out, ref, rtol=1e-3, atol=1e-3))
+        res["graph_check"] = "ok" if ok else "MISMATCH"
+        if ok:
+            res["graph_us"] = graph_us(g.replay, g, args)
+        del g, out
+    return res
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ---- driver ---------------------------------------------------------------------------------------
+def add_ratios(rows: List[dict]) -> None:
+    """x_vs_dense / x_vs_densemask = other / SNACK (> 1: SNACK uses less) per phase, sparsity."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["phase"], r["sparsity"]), {})[r["method"]] = r
+    dense = {r["phase"]: r for r in rows if r["method"] == "dense"}
+    for (phase, _), m in by.items():
+        for r in m.values():
+            for col in ("peak_mb", "eager_us", "graph_us"):
+                for other, ref in (("dense", dense.get(phase)), ("densemask", m.get("densemask"))):
+                    v = r.get(col, NAN)
+                    o = ref.get(col, NAN) if ref else NAN
+                    r[f"{col}_{other}_over_this"] = o / v if (v and v == v and o == o) else NAN
+
+
+def print_table(rows: List[dict], env: dict, args) -> None:
+    print(f"GPT-2 n_layer={args.n_layer} n_embd={args.n_embd} on {env['device_name']} (commit {env['commit']}); "
+          f"train batch {args.batch} x {args.seq}, infer {args.infer_batch} x {args.infer_seq}, {args.optimizer}")
+    print(f"{'phase':5s} {'sparsity':>8s} {'method':10s} {'peak MB':>9s} {'eager us':>10s} {'graph us':>10s} "
+          f"{'mem dense/this':>14s} {'graph D+M/this':>14s} {'rel_err':>8s}")
+    for r in rows:
+        print(f"{r['phase']:5s} {r['sparsity']:8.2f} {r['method']:10s} {r['peak_mb']:9.1f} {r['eager_us']:10.1f} "
+              f"{r['graph_us']:10.1f} {r['peak_mb_dense_over_this']:14.2f} {r['graph_us_densemask_over_this']:14.2f} "
+              f"{format(r['rel_err'], '.1e') if r['rel_err'] != '' else '':>8}")
+
+
+def main(argv=None) -> List[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU (use --device cpu for a smoke test)")
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        def tqdm(x, **k):
+            return x
+    env = environment(device)
+    dense = dense_model(args)
+    n_params = sum(p.numel() for p in dense.parameters())
+    g = torch.Generator(device="cpu").manual_seed(args.seed + 2)
+    ids = torch.randint(0, args.vocab, (args.infer_batch, args.infer_seq), generator=g).to(device)
+    meta = dict(model="gpt2", n_layer=args.n_layer, n_embd=args.n_embd, n_params=n_params, dtype="float32",
+                optimizer=args.optimizer, batch=args.batch, seq=args.seq, infer_batch=args.infer_batch,
+                infer_seq=args.infer_seq, **env)
+    rows = []
+    jobs = [("dense", None)] + [(m, s) for s in args.sparsity_list for m in ("snack", "densemask")]
+    pairs = {}
+    for method, sparsity in tqdm(jobs, desc="gpt2", unit="model"):
+        if method == "dense":
+            build, summary = (lambda: copy.deepcopy(dense)), None
+        else:
+            if sparsity not in pairs:
+                pairs[sparsity] = sparse_pair(dense, sparsity)
+            sp, dm, summary = pairs[sparsity]
+            src = sp if method == "snack" else dm
+            build = (lambda src=src: copy.deepcopy(src))
+        err = ""
+        if method == "snack":  # the SNACK logits against Dense+Mask's, before any timing
+            with torch.no_grad():
+                a = copy.deepcopy(pairs[sparsity][0]).to(device).eval()(input_ids=ids).logits
+                b = copy.deepcopy(pairs[sparsity][1]).to(device).eval()(input_ids=ids).logits
+            err = rel_err(a, b)
+            if not err < 1e-3:
+                raise RuntimeError(f"SNACK's logits differ from Dense+Mask's at sparsity {sparsity}: rel_err {err:.2e}")
+            del a, b
+        tr = measure_train(build, device, args)
+        model = build()
+        inf = measure_infer(model, ids, device, args)
+        del model
+        conv = dict(converted_layers=len(summary.rows) if summary else 0,
+                    params_after=summary.params_after if summary else n_params)
+        s = 0.0 if sparsity is None else sparsity
+        rows.append(dict(meta, method=method, sparsity=s, phase="train", peak_mb=tr["peak_mb"],
+                         eager_us=tr["eager_us"], graph_us=NAN, graph_check="", rel_err=err, loss=tr["loss"], **conv))
+        rows.append(dict(meta, method=method, sparsity=s, phase="infer", peak_mb=NAN, eager_us=inf["eager_us"],
+                         graph_us=inf["graph_us"], graph_check=inf["graph_check"], rel_err=err, loss="", **conv))
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    add_ratios(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+    print_table(rows, env, args)
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

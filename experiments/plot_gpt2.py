@@ -1,0 +1,134 @@
+"""Figure of the GPT-2 benchmark, drawn from results/bench_gpt2.csv only.
+
+    python experiments/plot_gpt2.py                           # -> papers/fig_gpt2.png
+    python experiments/plot_gpt2.py --csv=results/bench_gpt2_cpu.csv --out=/tmp/fig.png
+
+Three panels against sparsity: peak memory of a training step (dense as a line, Dense+Mask and
+SNACK as bars, SNACK's share of dense written on its bar), inference latency (CUDA-graph GPU
+time where the CSV has it, else eager time), and SNACK's inference speed-up over Dense+Mask and
+over dense. Panels whose figures are all blank (memory from a CPU run) say so instead of drawing;
+without the default CSV (not measured yet) nothing is drawn and the script says so.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask"}
+COLOR = {"snack": "C3", "dense": "C0", "densemask": "C2"}
+DEFAULT_CSV = str(ROOT / "results" / "bench_gpt2.csv")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--csv", default=DEFAULT_CSV)
+    p.add_argument("--out", default=str(ROOT / "papers" / "fig_gpt2.png"))
+    return p.parse_args(argv)
+
+
+def _num(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def load(path):
+    """{(phase, method, sparsity): row} with numbers as floats, and the first row (metadata)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise SystemExit(f"{path} has no rows")
+    table = {}
+    for r in rows:
+        r = dict(r)
+        for k in ("sparsity", "peak_mb", "eager_us", "graph_us"):
+            r[k] = _num(r.get(k))
+        table[(r["phase"], r["method"], r["sparsity"])] = r
+    if not any(k[1] == "dense" for k in table):
+        raise SystemExit(f"{path} has no dense rows")
+    return table, rows[0]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not Path(args.csv).exists():
+        if args.csv == DEFAULT_CSV:  # `make figures` redraws what has been measured
+            print(f"no {args.csv} yet (python experiments/bench_gpt2.py on a GPU writes it): nothing drawn")
+            return None
+        raise SystemExit(f"{args.csv} does not exist")
+    t, meta = load(args.csv)
+    sps = sorted({k[2] for k in t if k[1] != "dense"})
+    dense_train, dense_infer = t.get(("train", "dense", 0.0)), t.get(("infer", "dense", 0.0))
+    xs = list(range(len(sps)))
+    w = 0.38
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
+
+    ax = axes[0]
+    mem = {m: [t.get(("train", m, s), {}).get("peak_mb", math.nan) for s in sps] for m in ("densemask", "snack")}
+    if all(math.isnan(v) for vs in mem.values() for v in vs):
+        ax.text(0.5, 0.5, "peak memory not measured\n(CPU run)", ha="center", va="center", transform=ax.transAxes)
+    else:
+        for j, m in enumerate(("densemask", "snack")):
+            bars = ax.bar([x + (j - 0.5) * w for x in xs], mem[m], w, color=COLOR[m], label=LABEL[m])
+            if m == "snack" and dense_train and not math.isnan(dense_train["peak_mb"]):
+                for b, v in zip(bars, mem[m]):
+                    ax.annotate(f"{100 * v / dense_train['peak_mb']:.0f}%", (b.get_x() + b.get_width() / 2, v),
+                                ha="center", va="bottom", fontsize=8)
+        if dense_train and not math.isnan(dense_train["peak_mb"]):
+            ax.axhline(dense_train["peak_mb"], color=COLOR["dense"], ls="--", label=LABEL["dense"])
+        ax.set_ylabel("peak training memory (MB)")
+        ax.legend(fontsize=8)
+    ax.set_title(f"training step, batch {meta.get('batch')} x {meta.get('seq')}")
+
+    def latency(phase, m, s):
+        r = t.get((phase, m, s), {})
+        g = r.get("graph_us", math.nan)
+        return g if not math.isnan(g) else r.get("eager_us", math.nan)
+
+    graph = dense_infer is not None and not math.isnan(dense_infer["graph_us"])
+    ax = axes[1]
+    for j, m in enumerate(("densemask", "snack")):
+        ax.bar([x + (j - 0.5) * w for x in xs], [latency("infer", m, s) for s in sps], w, color=COLOR[m],
+               label=LABEL[m])
+    if dense_infer:
+        ax.axhline(latency("infer", "dense", 0.0), color=COLOR["dense"], ls="--", label=LABEL["dense"])
+    ax.set_ylabel(("CUDA-graph GPU time" if graph else "eager time") + " (us)")
+    ax.set_title(f"inference, {meta.get('infer_batch')} x {meta.get('infer_seq')} tokens")
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    snack_lat = [latency("infer", "snack", s) for s in sps]
+    ax.plot(xs, [latency("infer", "densemask", s) / v for s, v in zip(sps, snack_lat)], "o-",
+            color=COLOR["densemask"], label="over Dense+Mask")
+    if dense_infer:
+        ax.plot(xs, [latency("infer", "dense", 0.0) / v for v in snack_lat], "s-", color=COLOR["dense"],
+                label="over dense")
+    ax.axhline(1.0, color="0.6", lw=0.8)
+    ax.set_ylabel("SNACK inference speed-up (x)")
+    ax.set_title("speed-up (" + ("graph" if graph else "eager") + ")")
+    ax.legend(fontsize=8)
+    for ax in axes:
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"{s:.0%}" for s in sps])
+        ax.set_xlabel("sparsity of the transformer blocks' layers")
+    fig.suptitle(f"GPT-2 ({meta.get('n_layer')} layers, width {meta.get('n_embd')}), {meta.get('device_name')}, "
+                 f"commit {meta.get('commit')}", fontsize=10)
+    fig.tight_layout()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
