@@ -280,6 +280,13 @@ class BoundLaunch:
         self._state = {}
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo):
+        """A copy bound to copies of the fixed arrays (through `memo`, so a deep-copied cache's
+        plan and its index arrays stay the same objects), with no parameter block yet."""
+        import copy
+        return BoundLaunch(self.dispatcher, self.grid, self.block, self.smem,
+                           [None if a is None else copy.deepcopy(a, memo) for a in self.fixed], self.scalars)
+
     def _full(self, arrays):
         full = list(self.fixed)
         for i, t in zip(self.dyn, arrays):

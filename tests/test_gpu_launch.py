@@ -146,3 +146,16 @@ def test_bound_launch_from_several_threads_keeps_each_calls_arrays(monkeypatch):
     for call in seen:
         assert call["args"][7 + 4] == mine[call["thread"]], "a launch read another thread's arguments"
         assert call["args"][4] == fixed.data_ptr()
+
+
+def test_bound_launch_deep_copy_binds_copies_of_its_fixed_arrays(monkeypatch):
+    import copy
+    seen = []
+    fixed = torch.arange(5, dtype=torch.int32)
+    bound, k, disp = _bound_with_fake_driver(monkeypatch, [fixed, None], [3], seen)
+    memo = {}
+    twin = copy.deepcopy(fixed, memo)
+    other = copy.deepcopy(bound, memo)
+    assert other is not bound and other.fixed[0] is twin  # the same copy as the rest of the deep copy
+    assert other.fixed[1] is None and other.scalars == [3] and other.grid == bound.grid
+    assert other._state == {} and other._lock is not bound._lock

@@ -112,6 +112,21 @@ def test_empty_rows_and_columns_and_unsorted_input():
     _check(coo, 3, torch.float32, seed=3)
 
 
+def test_deep_copy_of_a_matrix_whose_plans_are_cached():
+    """copy.deepcopy of a COO after the ops ran (its topology caches launch plans bound to its
+    index arrays): the copy computes the same, and keeps working once the original is gone."""
+    coo = COO.random((40, 24), density=0.25, seed=8)
+    x, dy = torch.randn(3, 24), torch.randn(3, 40)
+    want = (G.spmm(x, coo.topology, coo.values), G.spmm_t(dy, coo.topology, coo.values),
+            G.sddmm(dy, x, coo.topology))
+    twin = copy.deepcopy(coo)
+    del coo
+    got = (G.spmm(x, twin.topology, twin.values), G.spmm_t(dy, twin.topology, twin.values),
+           G.sddmm(dy, x, twin.topology))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_no_nonzeros():
     coo = COO(torch.empty(2, 0, dtype=torch.int32), torch.empty(0), (4, 6))
     _check(coo, 2, torch.float32, seed=1)
