@@ -84,11 +84,7 @@ class _DriverKernel:
         from cuda.bindings import driver
         handle = _kernel_handle(dispatcher, sig)
         self.n_arrays = n_arrays
-        n = 7 * n_arrays + n_scalars
-        self.slots = np.zeros(n, dtype=np.int64)
-        base = self.slots.ctypes.data
-        self.ptrs = np.array([base + 8 * i for i in range(n)], dtype=np.uint64)
-        self.params = int(self.ptrs.ctypes.data)
+        self.slots, self.ptrs, self.params = _param_block(7 * n_arrays + n_scalars)
         self.last = [None] * (n_arrays + n_scalars)
         err = _set_max_dynamic_smem(handle, max_smem)
         if err != driver.CUresult.CUDA_SUCCESS:
@@ -131,6 +127,32 @@ class _DriverKernel:
             err = self._launch(self.fn, grid[0], grid[1], gz, block, 1, 1, smem, stream_ptr, self.params, None)
             if err != 0:
                 raise RuntimeError(f"SNACK kernel launch failed with CUDA driver error {err}")
+
+
+def _param_block(n: int):
+    """(slots, pointers, params) for n 8-byte kernel arguments: slots int64 (n,) holds the
+    values, pointers uint64 (n,) the address of each slot (kept alive with the slots), params the
+    address of the pointer array, as cuLaunchKernel takes it."""
+    slots = np.zeros(n, dtype=np.int64)
+    ptrs = np.array([slots.ctypes.data + 8 * i for i in range(n)], dtype=np.uint64)
+    return slots, ptrs, int(ptrs.ctypes.data)
+
+
+def _driver_kernel(dispatcher, idx: int, arrays, scalars, device) -> "_DriverKernel":
+    """The _DriverKernel of `dispatcher` for these arguments' dtypes on device idx, built once
+    (per device: the shared-memory limit is a per-device attribute of a kernel)."""
+    key = (id(dispatcher), idx, arrays[0].dtype, arrays[-1].dtype, arrays[-2].dtype)
+    k = _driver_kernels.get(key)
+    if k is None:
+        with _lock:
+            k = _driver_kernels.get(key)
+            if k is None:
+                from numba import cuda
+                sig = _numba_sig(arrays, scalars)
+                with cuda.gpus[idx]:  # Numba loads the module into this device's context
+                    k = _DriverKernel(dispatcher, sig, len(arrays), len(scalars), device_properties(device)[1])
+                _driver_kernels[key] = k
+    return k
 
 
 _libcuda = None
@@ -230,20 +252,7 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
             return launch(dispatcher, grid, block, smem, arrays, scalars, device)
     stream_ptr = _raw_stream(idx)
     if mode == "driver":
-        # per device: the shared-memory limit is a per-device attribute of a kernel
-        key = (id(dispatcher), idx, arrays[0].dtype, arrays[-1].dtype, arrays[-2].dtype)
-        k = _driver_kernels.get(key)
-        if k is None:
-            with _lock:
-                k = _driver_kernels.get(key)
-                if k is None:
-                    from numba import cuda
-                    sig = _numba_sig(arrays, scalars)
-                    with cuda.gpus[idx]:  # Numba loads the module into this device's context
-                        k = _DriverKernel(dispatcher, sig, len(arrays), len(scalars),
-                                          device_properties(device)[1])
-                    _driver_kernels[key] = k
-        k(grid, block, smem, arrays, scalars, stream_ptr)
+        _driver_kernel(dispatcher, idx, arrays, scalars, device)(grid, block, smem, arrays, scalars, stream_ptr)
         return
     from numba import cuda
     st = _numba_streams.get(stream_ptr)
@@ -295,18 +304,8 @@ class BoundLaunch:
 
     def _setup(self, idx, arrays, device):
         full = self._full(arrays)
-        key = (id(self.dispatcher), idx, full[0].dtype, full[-1].dtype, full[-2].dtype)
-        with _lock:
-            k = _driver_kernels.get(key)
-            if k is None:
-                from numba import cuda
-                with cuda.gpus[idx]:
-                    k = _DriverKernel(self.dispatcher, _numba_sig(full, self.scalars), len(full),
-                                      len(self.scalars), device_properties(device)[1])
-                _driver_kernels[key] = k
-        n = 7 * len(full) + len(self.scalars)
-        slots = np.zeros(n, dtype=np.int64)
-        ptrs = np.array([slots.ctypes.data + 8 * i for i in range(n)], dtype=np.uint64)
+        k = _driver_kernel(self.dispatcher, idx, full, self.scalars, device)
+        slots, ptrs, params = _param_block(7 * len(full) + len(self.scalars))
         for a, t in enumerate(full):
             slots[7 * a + 3] = slots[7 * a + 6] = t.element_size()
             if a not in self.dyn:
@@ -318,7 +317,7 @@ class BoundLaunch:
         # per call: [slots, pointer array (kept alive), params, offsets of the per-call arrays,
         # their last pointers and lengths, kernel handle, block, launch function, lock]
         nd = len(self.dyn)
-        st = [slots, ptrs, int(ptrs.ctypes.data), [7 * a for a in self.dyn], [None] * nd, [None] * nd,
+        st = [slots, ptrs, params, [7 * a for a in self.dyn], [None] * nd, [None] * nd,
               k.fn, block, k._launch, threading.Lock()]
         with self._lock:
             self._state.setdefault(idx, st)

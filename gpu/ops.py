@@ -31,7 +31,7 @@ import torch
 
 from snack.core.coo import Topology
 from . import kernels
-from .launch import BoundLaunch, as_kernel_array, device_properties, launch, launch_mode, zero
+from .launch import BoundLaunch, as_kernel_array, device_properties, launch_mode, zero
 
 __all__ = ["spmm", "spmm_t", "sddmm", "choose_tile", "wide_chunks", "WIDE_FROM", "WIDE_DENSITY"]
 
@@ -270,13 +270,10 @@ def _cached_plan(topo, key, build, *args):
 
 def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias):
     """What the SpMM launch needs beyond the per-call tensors, cached on the topology per
-    (order, batch, dtype, options, bias or not): (kernel, grid, smem, [index arrays], [scalars],
-    atomic?), or None when no variant fits in shared memory (torch fallback)."""
-    key = ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias)
-    plan = topo.cache.get(key, _NO_PLAN)
-    if plan is not _NO_PLAN:  # (the lookup of _cached_plan, inline: this is every call's path)
-        return plan
-    return _cached_plan(topo, key, _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
+    (order, batch, dtype, options, bias or not): (BoundLaunch, atomic?) (see `_spmm_launch`), or
+    None when no variant fits in shared memory (torch fallback)."""
+    return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias),
+                        _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias)
 
 
@@ -319,11 +316,10 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
 
 
 def _spmm_launch(kern, grid, threads, smem, index, scalars, atomic):
-    """The plan's tuple: (kernel, grid, smem, index arrays, scalars, atomic?, BoundLaunch taking
-    [x, values, output, bias or values])."""
+    """The plan: (BoundLaunch of `kern` with the index arrays bound, taking [x, values, output,
+    bias or values] per call; whether partial rows are added with atomics)."""
     a1, a2, a3 = index
-    return (kern, grid, smem, index, scalars, atomic,
-            BoundLaunch(kern, grid, threads, smem, [None, a1, a2, None, a3, None, None], scalars))
+    return BoundLaunch(kern, grid, threads, smem, [None, a1, a2, None, a3, None, None], scalars), atomic
 
 
 def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, split, dev):
@@ -333,7 +329,7 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
     plan = _spmm_plan(topo, transposed, x.shape[0], kind, dev, bt, threads, wide, chunks, split, bias is not None)
     if plan is None:
         return False
-    atomic, bound = plan[5], plan[6]
+    bound, atomic = plan
     target = y
     if atomic:  # partial rows are added: a zeroed fp32 output
         target = y if kind == 0 else torch.empty(y.shape, dtype=torch.float32, device=dev)
@@ -466,7 +462,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         from snack.core.reference import sddmm_reference
         dv.copy_(sddmm_reference(dy.float(), x.float(), topo.indices))
         return done()
-    needs_acc, bound = plan[5], plan[6]
+    bound, needs_acc = plan
     # fp32 partial sums across batch tiles (never aliased with dv: the simulator copies each
     # argument back separately)
     acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if needs_acc else dummy_array(x.device)
@@ -481,7 +477,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
 
 def _sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db):
     """The SDDMM's launch beyond the per-call tensors, cached on the topology like `_spmm_plan`:
-    (kernel, grid, smem, [index arrays], [scalars], needs fp32 accumulators?) or None."""
+    (BoundLaunch, needs fp32 accumulators?) (see `_sddmm_launch`) or None."""
     return _cached_plan(topo, ("sddmm_plan", batch, kind, bt, threads, wide, chunks, with_db),
                         _build_sddmm_plan, batch, kind, device, bt, threads, wide, chunks, with_db)
 
@@ -506,8 +502,7 @@ def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with
 
 
 def _sddmm_launch(kern, grid, threads, smem, index, scalars, needs_acc):
-    """The plan's tuple: (kernel, grid, smem, index arrays, scalars, fp32 accumulators?,
-    BoundLaunch taking [x, dy, dv, acc, db, dbacc])."""
+    """The plan: (BoundLaunch of `kern` with the index arrays bound, taking [x, dy, dv, acc, db,
+    dbacc] per call; whether fp32 accumulators carry partial sums across batch tiles)."""
     a1, a2 = index
-    return (kern, grid, smem, index, scalars, needs_acc,
-            BoundLaunch(kern, grid, threads, smem, [None, None, a1, a2, None, None, None, None], scalars))
+    return BoundLaunch(kern, grid, threads, smem, [None, None, a1, a2, None, None, None, None], scalars), needs_acc
