@@ -58,13 +58,18 @@ class SparseLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = backend.spmm_t(dy, topo, values)
         if ctx.needs_input_grad[1]:
-            if need_db:
-                dv, db = backend.sddmm(dy, x, topo, bias_grad=True)
-            else:
-                dv = backend.sddmm(dy, x, topo)
+            dv, db = _values_grad(dy, x, topo, need_db)
         elif need_db:
             db = _bias_grad(dy)
         return dx, dv, db, None
+
+
+def _values_grad(dy, x, topo, need_db):
+    """(dv, db): the SDDMM, with the bias gradient from the same launch when it is wanted
+    (else db is None)."""
+    if need_db:
+        return backend.sddmm(dy, x, topo, bias_grad=True)
+    return backend.sddmm(dy, x, topo), None
 
 
 # Under CUDA-graph capture the backward's two independent ops become two branches of the graph:
@@ -82,10 +87,7 @@ def _backward_two_branches(dy, x, values, topo, need_db):
         side = _SIDE[dy.device] = torch.cuda.Stream(dy.device)
     side.wait_stream(cur)
     with torch.cuda.stream(side):  # (x and dy are only read there, before the join below)
-        if need_db:
-            dv, db = backend.sddmm(dy, x, topo, bias_grad=True)
-        else:
-            dv, db = backend.sddmm(dy, x, topo), None
+        dv, db = _values_grad(dy, x, topo, need_db)
     dx = backend.spmm_t(dy, topo, values)
     cur.wait_stream(side)
     dv.record_stream(cur)
