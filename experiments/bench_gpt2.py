@@ -18,7 +18,7 @@ Measured per method:
             snack.optim.AdamW) on `batch` x `seq` random tokens with the language-model loss:
             peak memory (torch.cuda.max_memory_allocated over three steps, above what was
             allocated before the model was built: weights, gradients, optimizer state,
-            activations) and the eager step time (median)
+            activations) and the eager step time (median, L2 flushed)
     infer   logits of `infer_batch` x `infer_seq` tokens under torch.no_grad(): GPU time from
             replays of the forward captured in a CUDA graph (checked first: output poisoned,
             replayed, compared) and the eager time (median, L2 flushed)
@@ -36,15 +36,12 @@ import copy
 import csv
 import gc
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import snack  # noqa: E402
-from experiments.bench_layer import capture, environment, eager_us, graph_us  # noqa: E402
+from experiments.bench_layer import _sync, capture, environment, eager_us, graph_us  # noqa: E402
 
 METHODS = ("snack", "dense", "densemask")
 NAN = float("nan")
@@ -138,11 +135,6 @@ def sparse_pair(dense: nn.Module, sparsity: float):
 
 
 # ---- measurements ---------------------------------------------------------------------------------
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def make_optimizer(model, args):
     params = [p for p in model.parameters() if p.requires_grad]
     if args.optimizer == "snack-adamw":
@@ -175,23 +167,8 @@ def measure_train(build, device, args) -> Dict[str, float]:
     peak = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20 if device.type == "cuda" else NAN
     if not all(math.isfinite(v) for v in losses):
         raise RuntimeError(f"non-finite training loss {losses}")
-    t = _step_us(step, device, args)
-    del model, opt
+    t = eager_us(step, device, args)
     return dict(peak_mb=peak, eager_us=t, loss=losses[-1])
-
-
-def _step_us(fn, device, args) -> float:
-    """Median wall time of a training step (synchronized), microseconds."""
-    for _ in range(2):
-        fn()
-    _sync(device)
-    times, t_end = [], time.perf_counter() + args.rep_ms / 1e3
-    while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 200):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
 
 
 def measure_infer(model, ids, device, args, expected=None) -> Dict[str, float]:

@@ -14,9 +14,15 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from experiments.plot_layer import _num  # noqa: E402
+
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask"}
 COLOR = {"snack": "C3", "dense": "C0", "densemask": "C2"}
 DEFAULT_CSV = str(ROOT / "results" / "bench_gpt2.csv")
@@ -27,13 +33,6 @@ def parse_args(argv=None):
     p.add_argument("--csv", default=DEFAULT_CSV)
     p.add_argument("--out", default=str(ROOT / "papers" / "fig_gpt2.png"))
     return p.parse_args(argv)
-
-
-def _num(v):
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def load(path):
