@@ -194,7 +194,7 @@ def measure_infer(model, ids, device, args, expected=None) -> Dict[str, float]:
         ok = bool(torch.allclose(out, ref, rtol=1e-3, atol=1e-3))
         res["graph_check"] = "ok" if ok else "MISMATCH"
         if ok:
-            res["graph_us"] = graph_us(g.replay, g, args)
+            res["graph_us"] = graph_us(fwd, g, args)
         del g, out
     return res
 
