@@ -31,7 +31,12 @@ def main():
                     e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     worst = max(worst, e if dt == torch.float32 else e / 100)
                 dv, db = G.sddmm(dy, x, t, bias_grad=True, **sd)  # with the bias gradient
-                for got, ref in ((dv, dvref), (db, dy.double().sum(0))):
+                pairs = [(dv, dvref), (db, dy.double().sum(0))]
+                if B <= 32:  # the fused backward (dX, dv, db in one launch), same chunks and split
+                    fk = {k: w for k, w in opts.items() if k != "wide"}
+                    pairs += zip(G.spmm_t_sddmm(dy, x, t, v, bias_grad=True, fused=True, **fk),
+                                 (dxref, dvref, dy.double().sum(0)))
+                for got, ref in pairs:
                     e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     worst = max(worst, e if dt == torch.float32 else e / 100)
     # the fused Adam step (AdamW's decay too) against torch's, several grid-stride rounds

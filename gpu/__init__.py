@@ -1,13 +1,13 @@
-"""snack.gpu: Numba CUDA kernels for SNACK-COO (SpMM, transposed SpMM, SDDMM), a fused Adam step, and
-their launchers.
+"""snack.gpu: Numba CUDA kernels for SNACK-COO (SpMM, transposed SpMM, SDDMM, and the three of a
+backward fused in one pass), a fused Adam step, and their launchers.
 
 Knows nothing of autograd or nn.Module. Tensors in, tensors out, on torch's current stream.
 """
 from .launch import launch_mode
-from .ops import spmm, spmm_t, sddmm, choose_tile
+from .ops import spmm, spmm_t, sddmm, spmm_t_sddmm, fuses_backward, choose_tile
 from .optim import adam_step, adam_steps
 
-__all__ = ["spmm", "spmm_t", "sddmm", "adam_step", "adam_steps", "choose_tile", "is_available", "launch_mode"]
+__all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "adam_step", "adam_steps", "choose_tile", "is_available", "launch_mode"]
 
 
 def is_available() -> bool:

@@ -536,6 +536,41 @@ def _quad_step(xs, qa, va, src, k4, a0, a1, a2, a3):
     return (a0 + v * xs[p], a1 + v * xs[p + 1], a2 + v * xs[p + 2], a3 + v * xs[p + 3])
 
 
+@cuda.jit(device=True, inline=True)
+def _quad_step_dot(xs, qa, va, src, k4, a0, a1, a2, a3, x0, x1, x2, x3):
+    """_quad_step, and also the dot product of the same 4 staged values with (x0..x3): this
+    lane's 4 batch columns of the non-zero's part of an SDDMM."""
+    q = cuda.shfl_sync(FULL_MASK, qa, src)
+    v = cuda.shfl_sync(FULL_MASK, va, src)
+    p = uint32((q ^ k4) & -4)
+    d0 = xs[p]
+    d1 = xs[p + 1]
+    d2 = xs[p + 2]
+    d3 = xs[p + 3]
+    return a0 + v * d0, a1 + v * d1, a2 + v * d2, a3 + v * d3, (x0 * d0 + x1 * d1) + (x2 * d2 + x3 * d3)
+
+
+@cuda.jit(device=True, inline=True)
+def _half(lo, hi, up, off):
+    """One stage of a transposing butterfly on a pair of values: lanes with the stage's bit
+    (`up`) keep `hi`, the others `lo`; each adds the other one of its partner `off` lanes away."""
+    keep = hi if up else lo
+    send = lo if up else hi
+    return keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
+
+
+@cuda.jit(device=True, inline=True)
+def _group_sum8(p0, p1, p2, p3, p4, p5, p6, p7, kq):
+    """Transposing butterfly over the 8 lanes of a group (lane kq = lane & 7 of the group):
+    lane kq returns the group's total of p_kq (7 shuffles for 8 sums; every lane takes part in
+    every shuffle)."""
+    up4 = (kq & 4) != 0
+    up2 = (kq & 2) != 0
+    r0 = _half(_half(p0, p4, up4, 4), _half(p2, p6, up4, 4), up2, 2)
+    r1 = _half(_half(p1, p5, up4, 4), _half(p3, p7, up4, 4), up2, 2)
+    return _half(r0, r1, (kq & 1) != 0, 1)
+
+
 def _make_stage_quad(ld):
     @cuda.jit(device=True, inline=True)
     def stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads):
@@ -591,12 +626,20 @@ def _make_stage_quad(ld):
 
 @functools.lru_cache(maxsize=None)
 def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: bool = False,
-                          idx16: bool = False):
+                          idx16: bool = False, fused: bool = False, with_db: bool = False):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
-    Signature: (x, seg, idx, val, perm, y, bias, n_rows, n_cols, batch, nch, cw, rows_per_block,
-    cps); bias (n_rows,) like x, read only with has_bias (added by the blocks of the first
-    column-chunk group when partial rows are added with atomics).
+    Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
+    rows_per_block, cps); bias (n_rows,) like x, read only with has_bias (added by the blocks of
+    the first column-chunk group when partial rows are added with atomics); xf, dv, db are read
+    only when `fused` (pass any arrays of x's type otherwise).
+    `fused` (transposed order only: has_perm, no bias, batch <= 32): the whole backward of
+    Y = X W^T in one pass over W's column-major order, with x = dY and y = dX: besides
+    dX = dY W it writes the value gradient dv[perm[k]] = sum_b dY[b, r_k] X[b, c_k] (xf = the
+    forward's X (B, n_rows), dv (nnz,) like x) for every entry, from the dY values the step
+    reads anyway and X's column c held in registers for the column's whole segment (group g's
+    lane k takes X[4k..4k+3, c]); and with `with_db` the bias gradient db[r] = sum_b dY[b, r]
+    (db (n_cols,) like x), summed from the staged chunks by the first block of each chunk.
     x (B, n_cols); seg int32 (n_rows * nch + 1,); idx int32 (nnz,) global column of each entry;
     val (nnz,), read through perm when has_perm; y (B, n_rows): with `atomic` an fp32 buffer
     that must be zero (partial sums are added), else written once per element.
@@ -611,11 +654,17 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
     4k..4k+3 of its non-zero's column in one 16-byte shared-memory read (conflict-free: the 8
     lanes read the 8 chunks of one 128-byte row). A step stops at the segment's end.
     """
+    if fused and (not has_perm or has_bias):
+        raise ValueError("the fused backward runs on the transposed order (has_perm) without a bias")
+    if with_db and not fused:
+        raise ValueError("with_db needs fused")
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
     HAS_PERM = has_perm
     ATOMIC = atomic
     HAS_BIAS = has_bias
+    FUSED = fused
+    WITH_DB = with_db
     stage = _make_stage_quad(ld)
 
     @cuda.jit(device=True, inline=True)
@@ -633,7 +682,8 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                 v = ld(val, uint32(k))
         return c, v
 
-    def spmm_wide(x, seg, idx, val, perm, y, bias, n_rows, n_cols, batch, nch, cw, rows_per_block, cps):
+    def spmm_wide(x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw, rows_per_block,
+                  cps):
         xs = cuda.shared.array(0, dtype=float32, alignment=16)
         buf = cuda.local.array(16, dtype=float32)
         tid = int32(cuda.threadIdx.x)
@@ -651,7 +701,12 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
 
         lane = tid & 31
         g = lane >> 3
-        k4 = (lane & 7) << 2
+        kq = lane & 7
+        k4 = kq << 2
+        kme = 4 * kq + g  # (fused) the entry of a step whose dv this lane stores
+        up4 = (kq & 4) != 0  # (fused) this lane's side in the butterfly's stages
+        up2 = (kq & 2) != 0
+        up1 = (kq & 1) != 0
         hi8 = (lane & 8) != 0
         hi16 = (lane & 16) != 0
         nwarps = nthreads >> 5
@@ -669,6 +724,16 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                 cuda.syncthreads()  # the previous chunk is consumed
             stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
             cuda.syncthreads()
+            if WITH_DB and cuda.blockIdx.z == 0:
+                # db over the chunk's columns: the sum of a staged 128-byte row is the sum over
+                # the batch whatever the swizzle; lane l starts at word l (conflict-free)
+                cl = tid
+                while cl < width:
+                    tb = float32(0.0)
+                    for i in range(32):
+                        tb += xs[uint32((cl << 5) | ((cl + i) & 31))]
+                    db[uint32(c0 + cl)] = cv(tb)
+                    cl += nthreads
             while r < r1:
                 rn = int32(r + nwarps)
                 ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
@@ -676,6 +741,21 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                 a1 = float32(0.0)
                 a2 = float32(0.0)
                 a3 = float32(0.0)
+                if FUSED:  # X[b0 + 4k .. 4k + 3, r]: this lane's batch columns of X's column r
+                    x0 = float32(0.0)
+                    x1 = float32(0.0)
+                    x2 = float32(0.0)
+                    x3 = float32(0.0)
+                    bb = int32(b0 + k4)
+                    if s0 < s1:
+                        if bb < batch:
+                            x0 = ld(xf, uint32(bb * n_rows + r))
+                        if bb + 1 < batch:
+                            x1 = ld(xf, uint32((bb + 1) * n_rows + r))
+                        if bb + 2 < batch:
+                            x2 = ld(xf, uint32((bb + 2) * n_rows + r))
+                        if bb + 3 < batch:
+                            x3 = ld(xf, uint32((bb + 3) * n_rows + r))
                 base = s0
                 while base < s1:
                     ca = _quad_row(int32(cr - c0))
@@ -683,9 +763,33 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                     # the next step: this row's next 32 non-zeros, or the next row's first 32
                     nk = nb if nb < s1 else ns0
                     ne = s1 if nb < s1 else ns1
-                    cr, vn = load_nz(idx, val, perm, int32(nk + lane), ne, c0)
                     left = int32(s1 - base)
-                    if left >= 32:  # whole step: no per-step test
+                    if FUSED:
+                        # where this lane's dv goes, requested before the step that computes it
+                        pos = int32(0)
+                        if kme < left:
+                            pos = int32(perm[uint32(base + kme)])
+                    cr, vn = load_nz(idx, val, perm, int32(nk + lane), ne, c0)
+                    if FUSED:
+                        # every step whole (entries past the end have value 0 and are not
+                        # stored): group g's sums of entries 4i + g, i = 0..7, then the
+                        # butterfly leaves entry 4 * kq + g's total in this lane
+                        # (in the butterfly's pairing order, so that few partial sums are live)
+                        a0, a1, a2, a3, p0 = _quad_step_dot(xs, ca, va, g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                        a0, a1, a2, a3, p4 = _quad_step_dot(xs, ca, va, 16 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                        q0 = _half(p0, p4, up4, 4)
+                        a0, a1, a2, a3, p2 = _quad_step_dot(xs, ca, va, 8 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                        a0, a1, a2, a3, p6 = _quad_step_dot(xs, ca, va, 24 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                        h0 = _half(q0, _half(p2, p6, up4, 4), up2, 2)
+                        a0, a1, a2, a3, p1 = _quad_step_dot(xs, ca, va, 4 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                        a0, a1, a2, a3, p5 = _quad_step_dot(xs, ca, va, 20 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                        q1 = _half(p1, p5, up4, 4)
+                        a0, a1, a2, a3, p3 = _quad_step_dot(xs, ca, va, 12 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                        a0, a1, a2, a3, p7 = _quad_step_dot(xs, ca, va, 28 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                        tot = _half(h0, _half(q1, _half(p3, p7, up4, 4), up2, 2), up1, 1)
+                        if kme < left:
+                            dv[uint32(pos)] = cv(tot)
+                    elif left >= 32:  # whole step: no per-step test
                         for t in range(0, 32, 4):
                             a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
                     else:
@@ -746,7 +850,8 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
             col += dcol
 
     spmm_wide.__name__ = (f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}"
-                          f"{'_atomic' if atomic else ''}{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}")
+                          f"{'_atomic' if atomic else ''}{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}"
+                          f"{'_fused' if fused else ''}{'_db' if with_db else ''}")
     return _jit(spmm_wide, launch_bounds=(1024,))
 
 
@@ -841,26 +946,8 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False):
                     for i in range(8):
                         q = uint32((cuda.shfl_sync(FULL_MASK, cl, 4 * i + g) ^ k4) & -4)
                         p[i] = d0 * xs[q] + d1 * xs[q + 1] + d2 * xs[q + 2] + d3 * xs[q + 3]
-                    # transposing butterfly over the group's 8 lanes (branch-free: every lane
-                    # takes part in every shuffle); lane kq ends with the sum of step kq
-                    up4 = (kq & 4) != 0
-                    for i in range(4):
-                        lo = p[i]
-                        hi = p[i + 4]
-                        keep = hi if up4 else lo
-                        send = lo if up4 else hi
-                        p[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, 4)
-                    up2 = (kq & 2) != 0
-                    for i in range(2):
-                        lo = p[i]
-                        hi = p[i + 2]
-                        keep = hi if up2 else lo
-                        send = lo if up2 else hi
-                        p[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, 2)
-                    up1 = (kq & 1) != 0
-                    keep = p[1] if up1 else p[0]
-                    send = p[0] if up1 else p[1]
-                    tot = keep + cuda.shfl_xor_sync(FULL_MASK, send, 1)
+                    # lane kq ends with the sum of step kq
+                    tot = _group_sum8(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], kq)
                     k = int32(base + kme)
                     if k < s1:
                         if not first:

@@ -45,7 +45,14 @@ def variants():
                 d = kernels.make_spmm_wide_kernel(kind, perm, atomic, bias)
                 yel = "float32" if atomic else el
                 out.append((d.py_func.__name__, d,
-                            _sig([el, "int32", "int32", el, "int32", yel, el], 7)))
+                            _sig([el, "int32", "int32", el, "int32", yel, el, el, el, el], 7)))
+        for atomic in (False, True):  # the fused backward (dX, dv and optionally db in one pass)
+            for with_db in (False, True):
+                for i16 in ((False, True) if kind == 0 else (False,)):
+                    d = kernels.make_spmm_wide_kernel(kind, True, atomic, False, i16, True, with_db)
+                    out.append((d.py_func.__name__, d,
+                                _sig([el, "int32", "uint16" if i16 else "int32", el, "int32",
+                                      "float32" if atomic else el, el, el, el, el], 7)))
         if kind == 0:  # the transposed SpMMs with a uint16 row index (same code, other index type)
             for bt in (1, 2, 4, 8):
                 for make in ((kernels.make_spmm_kernel,) + ((kernels.make_spmm_own_kernel,) if bt > 1 else ())):
@@ -54,7 +61,8 @@ def variants():
             for atomic in (False, True):
                 d = kernels.make_spmm_wide_kernel(kind, True, atomic, False, True)
                 out.append((d.py_func.__name__, d,
-                            _sig([el, "int32", "uint16", el, "int32", "float32" if atomic else el, el], 7)))
+                            _sig([el, "int32", "uint16", el, "int32", "float32" if atomic else el, el, el, el, el],
+                                 7)))
         for with_db in (False, True):
             d = kernels.make_sddmm_wide_kernel(kind, with_db)
             out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))

@@ -4,6 +4,8 @@
     spmm_t(dy, topo, values, out=None) dy (B, out) contiguous -> dX (B, in) = dY W
     sddmm(dy, x, topo, out=None)       -> dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
     sddmm(dy, x, topo, bias_grad=True) -> (dv, db), db (out,) = sum_b dY[b, :] (one launch on the GPU)
+    backward(dy, x, topo, values, bias_grad) -> (dX, dv, db or None) in one launch where the
+                                       backend fuses them (`fuses_backward`), else None
 
 with W = topo.shape = (out, in) a canonical row-major `snack.core.Topology` and values (nnz,).
 CUDA tensors go to `snack.gpu` (Numba CUDA kernels on torch's current stream), CPU tensors to
@@ -35,7 +37,7 @@ import torch
 from snack.core import Topology, canonicalize, validate_coo, INDEX_DTYPE
 from snack.core.reference import spmm_reference, spmm_t_reference, sddmm_reference
 
-__all__ = ["spmm", "spmm_t", "sddmm", "get_topology", "backend_name", "force_backend"]
+__all__ = ["spmm", "spmm_t", "sddmm", "backward", "get_topology", "backend_name", "force_backend"]
 
 # id(indices) -> (weakref to indices, key, Topology); an entry leaves when its tensor dies. Kept
 # off the tensor's own __dict__ so that pickling a module (torch.save(model)) never drags backend
@@ -126,7 +128,8 @@ def _ref_sddmm(dy, x, topo, out=None):
 
 
 _REFERENCE = SimpleNamespace(name="reference", spmm=_ref_spmm, spmm_t=_ref_spmm_t, sddmm=_ref_sddmm,
-                             supports=lambda dtype: True, fused_bias=False, fused_bias_grad=False)
+                             supports=lambda dtype: True, fused_bias=False, fused_bias_grad=False,
+                             fuses_backward=None, spmm_t_sddmm=None)
 _loaded = {}          # device type -> backend namespace, or _REFERENCE
 _forced: Optional[str] = None
 _warned = set()
@@ -158,7 +161,9 @@ def _wrap(mod, name):
     except (TypeError, ValueError):
         fused_db = False
     return SimpleNamespace(name=name, spmm=mod.spmm, spmm_t=mod.spmm_t, sddmm=mod.sddmm,
-                           supports=supports, fused_bias=fused, fused_bias_grad=fused_db)
+                           supports=supports, fused_bias=fused, fused_bias_grad=fused_db,
+                           fuses_backward=getattr(mod, "fuses_backward", None),
+                           spmm_t_sddmm=getattr(mod, "spmm_t_sddmm", None))
 
 
 def _load(device_type: str):
@@ -258,3 +263,14 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     if b.fused_bias_grad:
         return b.sddmm(dy, x, topo, out=out, bias_grad=True)
     return b.sddmm(dy, x, topo, out=out), dy.sum(0)
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torch.Tensor, bias_grad: bool = False):
+    """(dX, dv, db) (db None unless bias_grad) from one fused launch when dy's backend fuses the
+    backward for this batch and matrix (the GPU kernels at B <= 32 where the 32-wide kernels
+    run), else None: the caller then uses spmm_t and sddmm."""
+    b = _backend(dy)
+    if b.fuses_backward is None or topo.nnz == 0 or not b.fuses_backward(dy.shape[0], topo):
+        return None
+    res = b.spmm_t_sddmm(dy, x, topo, values, bias_grad=bias_grad)
+    return res if bias_grad else res + (None,)

@@ -3,7 +3,9 @@
 The autograd Function builds every gradient from the same three backend ops:
     forward   Y  = spmm(X, W) + b  (the GPU kernels add b as they write Y)
     backward  dX = spmm_t(dY, W)      dv = sddmm(dY, X, W)      db = sum_b dY
-(on the GPU db comes from the SDDMM's launch, which reads dY anyway; a GEMV when only db is wanted)
+(on the GPU db comes from the SDDMM's launch, which reads dY anyway; a GEMV when only db is wanted;
+where the GPU backend fuses the backward (B <= 32 on the 32-wide kernels) dX, dv and db come from
+one launch)
 so nothing of the dense weight's size (out x in) is allocated, in forward or in backward.
 When no gradient is wanted (torch.no_grad, or nothing requires grad) the forward runs without
 the autograd Function, saving its host overhead on every inference call.
@@ -52,9 +54,12 @@ class SparseLinearFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dv = db = None
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
-        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and dy.is_cuda and \
-                torch.cuda.is_current_stream_capturing():
-            return _backward_two_branches(dy, x, values, topo, need_db)
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            fused = backend.backward(dy, x, topo, values, need_db)
+            if fused is not None:
+                return fused + (None,)
+            if dy.is_cuda and torch.cuda.is_current_stream_capturing():
+                return _backward_two_branches(dy, x, values, topo, need_db)
         if ctx.needs_input_grad[0]:
             dx = backend.spmm_t(dy, topo, values)
         if ctx.needs_input_grad[1]:

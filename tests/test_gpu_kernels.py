@@ -33,7 +33,16 @@ def _run_all(coo, B, dtype, gen, **kw):
     refs = (spmm_reference(xd, t.indices, vd, o), spmm_t_reference(dyd, t.indices, vd, i),
             sddmm_reference(dyd, xd, t.indices))
     refs += (refs[2], dyd.sum(0))
-    for name, got, ref in zip(("spmm", "spmm_t", "sddmm", "sddmm with db", "db"), outs, refs):
+    names = ["spmm", "spmm_t", "sddmm", "sddmm with db", "db"]
+    if B <= 32:  # the fused backward with the same chunks and split
+        fkw = {k: a for k, a in kw.items() if k in ("chunks", "split", "threads")}
+        for bias_grad in (True, False):
+            res = G.spmm_t_sddmm(dy, x, t, v, bias_grad=bias_grad, fused=True, **fkw)
+            outs += list(res)
+            names += [f"fused {n}, bias_grad={bias_grad}" for n in ("dX", "dv", "db")[:len(res)]]
+            refs += (refs[1], refs[2], refs[4])[:len(res)]
+        torch.cuda.synchronize(dev)
+    for name, got, ref in zip(names, outs, refs):
         assert got.device == dev, name
         assert torch.isfinite(got).all(), f"{name}: an output element was not written"
         err = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()

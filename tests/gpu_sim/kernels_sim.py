@@ -42,11 +42,21 @@ def _check(coo, B, dtype, seed, **kw):
     refs = (spmm_reference(xd, t.indices, vd, o), spmm_t_reference(dyd, t.indices, vd, i),
             sddmm_reference(dyd, xd, t.indices), dyd.sum(0))
     assert db.dtype == dtype and db.shape == (o,)
-    for name, got, ref in zip(("spmm", "spmm_t", "sddmm", "db"), (y, dx, dv, db), refs):
+    got = [y, dx, dv, db]
+    names = ["spmm", "spmm_t", "sddmm", "db"]
+    if B <= 32:  # the fused backward (dX, dv, db in one launch) with the same chunks and split
+        fkw = {k: a for k, a in kw.items() if k in ("chunks", "split", "threads")}
+        for bias_grad in (True, False):
+            res = G.spmm_t_sddmm(dy, x, t, v, bias_grad=bias_grad, fused=True, **fkw)
+            got += list(res)
+            names += [f"fused {n}, bias_grad={bias_grad}" for n in ("dX", "dv", "db")[:len(res)]]
+            refs += refs[1:1 + len(res)]
+    for name, g_, ref in zip(names, got, refs):
+        assert g_.dtype == dtype, name
         if ref.numel() and ref.norm() > 0:
-            assert _rel(got, ref) < tol, name
+            assert _rel(g_, ref) < tol, name
         else:
-            assert torch.equal(got.double(), ref), name
+            assert torch.equal(g_.double(), ref), name
 
 
 @pytest.mark.parametrize("B,kw", [(3, {}), (11, {}), (5, {"wide": True, "chunks": 2}),
@@ -215,8 +225,8 @@ def test_wide_flush_with_more_rows_than_threads(monkeypatch, chunks):
     assert _rel(y, ref) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch, chunks):
+@pytest.mark.parametrize("chunks,B", [(1, 33), (2, 32)])  # B = 32: the fused backward too
+def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch, chunks, B):
     # 2 warps over one row block of 12 rows (6 rows each): segments of several 32-entry steps
     # (the last one partial), empty rows, and a row with non-zeros in the second chunk only,
     # so that each warp's stream of steps runs across rows of every kind
@@ -230,7 +240,7 @@ def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch,
     mask[9, 100:] = True                    # second chunk only
     idx = mask.nonzero().T.to(torch.int32)
     coo = COO(idx, torch.randn(idx.shape[1], generator=g), (12, 150))
-    _check(coo, 33, torch.float32, seed=8, wide=True, chunks=chunks, threads=64)
+    _check(coo, B, torch.float32, seed=8, wide=True, chunks=chunks, threads=64)
 
 
 def test_wide_kernels_bfloat16_with_chunks():
