@@ -384,8 +384,9 @@ def test_fused_backward_matches_float64_eager_and_captured(B, bias):
     x = torch.randn(B, 1000, device="cuda", requires_grad=True)
     dy = torch.randn(B, 1700, device="cuda")
     layer(x).backward(dy)
-    w = layer.to_dense().double()
-    want = [dy.double() @ w, (dy.double().T @ x.double())[tuple(layer.indices.long())]]
+    w = layer.to_dense().detach().double()  # (detached: no autograd graph may outlive the step,
+    xd = x.detach().double()                # whose AccumulateGrad would then stay on this stream)
+    want = [dy.double() @ w, (dy.double().T @ xd)[tuple(layer.indices.long())]]
     if bias:
         want.append(dy.double().sum(0))
     got = [x.grad, layer.values.grad] + ([layer.bias.grad] if bias else [])
