@@ -267,6 +267,37 @@ def test_bad_input_is_rejected_before_launch():
     with pytest.raises(ValueError, match="out must be"):
         G.spmm(torch.randn(2, 6), t, v, out=out)
     assert torch.equal(out, torch.zeros(2, 5))  # nothing half-written
+    dy, x = torch.randn(2, 4), torch.randn(2, 6)  # the fused backward checks like the three ops
+    for args, err, msg in (((torch.randn(2, 5), x, t, v), ValueError, "dy must have 4 columns"),
+                           ((dy, torch.randn(2, 7), t, v), ValueError, "x must have 6 columns"),
+                           ((torch.randn(3, 4), x, t, v), ValueError, "same batch size"),
+                           ((dy, x.half(), t, v), TypeError, "x has dtype"),
+                           ((dy, x, t, v.half()), TypeError, "values has dtype"),
+                           ((dy, x, t, v[:-1]), ValueError, "values must have shape"),
+                           ((dy.double(), x.double(), t, v.double()), TypeError, "float32, float16 or bfloat16")):
+        with pytest.raises(err, match=msg):
+            G.spmm_t_sddmm(*args, fused=True)
+
+
+@pytest.mark.parametrize("B", [2, 20])
+def test_fused_backward_and_its_fallback_agree(B):
+    # fused=False takes spmm_t and sddmm: the same results as the fused launch (dX's sums in
+    # another order: close, not equal); no non-zeros never fuses and gives zeros
+    coo = COO.random((9, 21), density=0.4, seed=B)
+    g = torch.Generator().manual_seed(B)
+    dy, x = torch.randn(B, 9, generator=g), torch.randn(B, 21, generator=g)
+    t, v = coo.topology, coo.values
+    for bias_grad in (False, True):
+        a = G.spmm_t_sddmm(dy, x, t, v, bias_grad=bias_grad, fused=True, threads=64)
+        b = G.spmm_t_sddmm(dy, x, t, v, bias_grad=bias_grad, fused=False, threads=64)
+        assert len(a) == len(b) == 2 + bias_grad
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    empty = COO(torch.zeros(2, 0, dtype=torch.int32), torch.zeros(0), (9, 21))
+    assert not G.fuses_backward(B, empty.topology, fused=True)
+    dx, dv, db = G.spmm_t_sddmm(dy, x, empty.topology, empty.values, bias_grad=True, fused=True)
+    assert torch.equal(dx, torch.zeros(B, 21)) and dv.shape == (0,)
+    torch.testing.assert_close(db, dy.sum(0))
 
 
 @pytest.mark.parametrize("wide", [False, True])
