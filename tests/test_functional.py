@@ -145,6 +145,36 @@ def test_needs_input_grad_skips_unneeded_ops(monkeypatch):
     assert x.grad is not None and v.grad is not None
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_backward_takes_a_backends_fused_backward(monkeypatch, with_bias):
+    # a backend that fuses the backward (the GPU kernels from B = 16 to 32) gets one
+    # spmm_t_sddmm call instead of spmm_t and sddmm, and its results are the gradients
+    idx, vals = _coo(9, 8, density=0.5, seed=3)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    v = vals.clone().requires_grad_()
+    b = torch.randn(9, dtype=torch.float64, requires_grad=True) if with_bias else None
+    cpu = backend._load("cpu")
+    calls = []
+
+    def fused(dy, x_, topo, values, bias_grad=False):
+        calls.append((tuple(dy.shape), bias_grad))
+        res = (cpu.spmm_t(dy, topo, values), cpu.sddmm(dy, x_, topo))
+        return res + (dy.sum(0),) if bias_grad else res
+
+    monkeypatch.setitem(backend._loaded, "cpu", backend.SimpleNamespace(
+        **{**vars(cpu), "fuses_backward": lambda batch, topo: batch == 4, "spmm_t_sddmm": fused}))
+    monkeypatch.setattr(backend, "sddmm", lambda *a, **k: pytest.fail("sddmm called"))
+    monkeypatch.setattr(backend, "spmm_t", lambda *a, **k: pytest.fail("spmm_t called"))
+    dy = torch.randn(4, 9, dtype=torch.float64)
+    sparse_linear(x, idx, v, 9, b).backward(dy)
+    assert calls == [((4, 9), with_bias)]
+    w = _dense(idx, vals, 9, 8)
+    torch.testing.assert_close(x.grad, dy @ w)
+    torch.testing.assert_close(v.grad, (dy.T @ x.detach())[idx[0].long(), idx[1].long()])
+    if with_bias:
+        torch.testing.assert_close(b.grad, dy.sum(0))
+
+
 # ---- validation ---------------------------------------------------------------------------------
 def test_unsorted_indices_raise_with_hint():
     idx, vals = _coo(6, 5, density=0.5, seed=2)
