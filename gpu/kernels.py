@@ -395,18 +395,19 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
     return cuda.jit(spmm)
 
 
-def _make_db_out(cv):
+def _make_tile_out(cv):
     @cuda.jit(device=True, inline=True)
-    def db_out(db, dbacc, r, t, first, last):
-        """Row r's bias-gradient part t of one batch tile: kept in dbacc until the last tile,
-        which writes the total to db (one thread per row, tiles in turn: no atomics)."""
+    def tile_out(out, acc, i, t, first, last):
+        """Element i's part t from one batch tile (a dv entry, a db row): kept in the fp32 acc
+        until the last tile, which writes the total to out (the same thread visits the tiles
+        in turn: no atomics, deterministic)."""
         if not first:
-            t += dbacc[uint32(r)]
+            t += acc[uint32(i)]
         if last:
-            db[uint32(r)] = cv(t)
+            out[uint32(i)] = cv(t)
         else:
-            dbacc[uint32(r)] = t
-    return db_out
+            acc[uint32(i)] = t
+    return tile_out
 
 
 @functools.lru_cache(maxsize=None)
@@ -428,7 +429,7 @@ def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False):
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
     stage = _make_stage(BT, ld)
-    db_out = _make_db_out(cv)
+    tile_out = _make_tile_out(cv)
 
     def sddmm(x, dy, ptr, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch):
         xs = cuda.shared.array(0, dtype=float32)
@@ -461,7 +462,7 @@ def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False):
                     for jj in range(BT):
                         tb += ds[jj]
                     if lane == 0:
-                        db_out(db, dbacc, r, tb, first, last)
+                        tile_out(db, dbacc, r, tb, first, last)
                 start = ptr[r]
                 end = ptr[r + 1]
                 base = start
@@ -480,19 +481,9 @@ def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False):
                         sa += ds[jj] * xs[uint32(jj * stride + ca)]
                         sb += ds[jj] * xs[uint32(jj * stride + cb)]
                     if ka < end:
-                        if not first:
-                            sa += dvacc[uint32(ka)]
-                        if last:
-                            dv[uint32(ka)] = cv(sa)
-                        else:
-                            dvacc[uint32(ka)] = sa
+                        tile_out(dv, dvacc, ka, sa, first, last)
                     if kb < end:
-                        if not first:
-                            sb += dvacc[uint32(kb)]
-                        if last:
-                            dv[uint32(kb)] = cv(sb)
-                        else:
-                            dvacc[uint32(kb)] = sb
+                        tile_out(dv, dvacc, kb, sb, first, last)
                     base += 64
                 r += rstride
 
@@ -874,7 +865,7 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False):
     cv = _CONVERTERS[kind]
     WITH_DB = with_db
     stage = _make_stage_quad(ld)
-    db_out = _make_db_out(cv)
+    tile_out = _make_tile_out(cv)
 
     def sddmm_wide(x, dy, seg, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch, nch, cw):
         xs = cuda.shared.array(0, dtype=float32, alignment=16)
@@ -930,7 +921,7 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False):
                     tb += cuda.shfl_xor_sync(FULL_MASK, tb, 2)
                     tb += cuda.shfl_xor_sync(FULL_MASK, tb, 4)
                     if lane == 0:
-                        db_out(db, dbacc, r, tb, first, last)
+                        tile_out(db, dbacc, r, tb, first, last)
                     if s0 == s1:
                         r = int32(r + rstride)
                         continue
@@ -950,12 +941,7 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False):
                     tot = _group_sum8(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], kq)
                     k = int32(base + kme)
                     if k < s1:
-                        if not first:
-                            tot += dvacc[uint32(k)]
-                        if last:
-                            dv[uint32(k)] = cv(tot)
-                        else:
-                            dvacc[uint32(k)] = tot
+                        tile_out(dv, dvacc, k, tot, first, last)
                     base = int32(base + 32)
                     cl = _quad_row(cn - int32(c0))
                 r = int32(r + rstride)
