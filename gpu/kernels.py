@@ -126,6 +126,15 @@ def _bounds(p, i, ok):
     return s, e
 
 
+@cuda.jit(device=True, inline=True)
+def _half(lo, hi, up, off):
+    """One stage of a transposing butterfly on a pair of values: lanes with the stage's bit
+    (`up`) keep `hi`, the others `lo`; each adds the other one of its partner `off` lanes away."""
+    keep = hi if up else lo
+    send = lo if up else hi
+    return keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
+
+
 def _make_stage(BT, ld):
     U = max(1, 8 // BT)  # columns per thread per round: U * BT = 8 loads in flight
 
@@ -301,14 +310,6 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
     OFF2 = 16 if BT == 4 else 8                    # 4 -> 2
     OFF1 = 16 if BT == 2 else (8 if BT == 4 else 4)  # 2 -> 1; then plain halving below OFF1
 
-    @cuda.jit(device=True, inline=True)
-    def half(lo, hi, up, off):
-        """One butterfly stage on a pair of accumulators: lanes with the stage's bit keep `hi`,
-        the others `lo`; each adds the partner lane's other one."""
-        keep = hi if up else lo
-        send = lo if up else hi
-        return keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
-
     def spmm(x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch):
         xs = cuda.shared.array(0, dtype=float32)
         buf = cuda.local.array(8, dtype=float32)
@@ -368,15 +369,15 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
             # transposing butterfly: each stage halves the accumulators a lane keeps
             if BT == 8:
                 up = (lane & OFF4) != 0
-                a0 = half(a0, a4, up, OFF4)
-                a1 = half(a1, a5, up, OFF4)
-                a2 = half(a2, a6, up, OFF4)
-                a3 = half(a3, a7, up, OFF4)
+                a0 = _half(a0, a4, up, OFF4)
+                a1 = _half(a1, a5, up, OFF4)
+                a2 = _half(a2, a6, up, OFF4)
+                a3 = _half(a3, a7, up, OFF4)
             if BT >= 4:
                 up = (lane & OFF2) != 0
-                a0 = half(a0, a2, up, OFF2)
-                a1 = half(a1, a3, up, OFF2)
-            tot = half(a0, a1, (lane & OFF1) != 0, OFF1)
+                a0 = _half(a0, a2, up, OFF2)
+                a1 = _half(a1, a3, up, OFF2)
+            tot = _half(a0, a1, (lane & OFF1) != 0, OFF1)
             off = OFF1 >> 1
             while off > 0:
                 tot += cuda.shfl_xor_sync(FULL_MASK, tot, off)
@@ -539,15 +540,6 @@ def _quad_step_dot(xs, qa, va, src, k4, a0, a1, a2, a3, x0, x1, x2, x3):
     d2 = xs[p + 2]
     d3 = xs[p + 3]
     return a0 + v * d0, a1 + v * d1, a2 + v * d2, a3 + v * d3, (x0 * d0 + x1 * d1) + (x2 * d2 + x3 * d3)
-
-
-@cuda.jit(device=True, inline=True)
-def _half(lo, hi, up, off):
-    """One stage of a transposing butterfly on a pair of values: lanes with the stage's bit
-    (`up`) keep `hi`, the others `lo`; each adds the other one of its partner `off` lanes away."""
-    keep = hi if up else lo
-    send = lo if up else hi
-    return keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
 
 
 @cuda.jit(device=True, inline=True)
