@@ -333,6 +333,15 @@ def _kind_dummy(device, kind: int) -> torch.Tensor:
     return as_kernel_array(dummy_array(device, (torch.float32, torch.float16, torch.int16)[kind]))
 
 
+def _atomic_target(y, atomic: bool, dev):
+    """Where a wide SpMM writes y: y itself, or, when partial rows are added with atomics, a
+    zeroed fp32 buffer (y itself when y is fp32; the caller copies a separate one into y)."""
+    if not atomic:
+        return y
+    target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=dev)
+    return zero(target)
+
+
 def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, split, dev):
     """Launches the SpMM (+ bias, added by the kernel) on the CSR order (transposed: the CSC
     order) of topo into y; dev is the tensors' device."""
@@ -341,10 +350,7 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
     if plan is None:
         return False
     bound, atomic = plan
-    target = y
-    if atomic:  # partial rows are added: a zeroed fp32 output
-        target = y if kind == 0 else torch.empty(y.shape, dtype=torch.float32, device=dev)
-        zero(target)
+    target = _atomic_target(y, atomic, dev)
     # without a bias, `values` stands in for the unread argument
     if kind == 2 or _SIM:  # bfloat16 as int16 bits; 1-D numpy views under the simulator
         vals = as_kernel_array(values)
@@ -428,12 +434,8 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional
     return _spmm_op("dy", dy, topo, values, out, True, bt, threads, wide, chunks, split)
 
 
-def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch.Tensor] = None,
-          *, bias_grad: bool = False, bt: Optional[int] = None, threads: int = _THREADS,
-          wide: Optional[bool] = None, chunks: Optional[int] = None):
-    """dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k], on the GPU; see the module docstring.
-    With bias_grad=True returns (dv, db), db (out,) = sum_b dY[b, :] (dy's dtype, summed in fp32)
-    computed by the same launch from the dY values it reads anyway."""
+def _check_pair(dy, x, topo: Topology) -> None:
+    """dy (B, out) and x (B, in) for W = topo: the SDDMM's (and the fused backward's) operands."""
     _check_common("dy", dy, topo.device)
     _check_common("x", x, topo.device)
     n_out, n_in = topo.shape
@@ -445,6 +447,16 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         raise ValueError(f"x and dy must have the same batch size, got {x.shape[0]} and {dy.shape[0]}")
     if x.dtype != dy.dtype:
         raise TypeError(f"x has dtype {x.dtype} but dy has {dy.dtype}")
+
+
+def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch.Tensor] = None,
+          *, bias_grad: bool = False, bt: Optional[int] = None, threads: int = _THREADS,
+          wide: Optional[bool] = None, chunks: Optional[int] = None):
+    """dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k], on the GPU; see the module docstring.
+    With bias_grad=True returns (dv, db), db (out,) = sum_b dY[b, :] (dy's dtype, summed in fp32)
+    computed by the same launch from the dY values it reads anyway."""
+    _check_pair(dy, x, topo)
+    n_out, n_in = topo.shape
     dv = _check_out(out, (topo.nnz,), x.dtype, x.device)
     batch = x.shape[0]
 
@@ -550,17 +562,8 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     Where `fuses_backward` says so, one launch computes all of them in one pass over W's
     column-major order (dY read once, no second staging); otherwise spmm_t and sddmm. Results
     have dy's dtype; x, dy, values: one dtype, on W's device."""
-    _check_common("dy", dy, topo.device)
-    _check_common("x", x, topo.device)
+    _check_pair(dy, x, topo)
     n_out, n_in = topo.shape
-    if dy.shape[1] != n_out:
-        raise ValueError(f"dy must have {n_out} columns (out_features), got shape {tuple(dy.shape)}")
-    if x.shape[1] != n_in:
-        raise ValueError(f"x must have {n_in} columns (in_features), got shape {tuple(x.shape)}")
-    if x.shape[0] != dy.shape[0]:
-        raise ValueError(f"x and dy must have the same batch size, got {x.shape[0]} and {dy.shape[0]}")
-    if x.dtype != dy.dtype:
-        raise TypeError(f"x has dtype {x.dtype} but dy has {dy.dtype}")
     _check_values(values, topo.nnz, dy.dtype, topo.device)
     batch = dy.shape[0]
     plan = None
@@ -579,10 +582,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     bound, atomic = plan
     kind = _KIND[dy.dtype]
     dx = torch.empty(batch, n_in, dtype=dy.dtype, device=dev)
-    target = dx
-    if atomic:  # partial rows are added: a zeroed fp32 output
-        target = dx if kind == 0 else torch.empty(dx.shape, dtype=torch.float32, device=dev)
-        zero(target)
+    target = _atomic_target(dx, atomic, dev)
     dv = torch.empty(topo.nnz, dtype=dy.dtype, device=dev)
     db = torch.empty(n_out, dtype=dy.dtype, device=dev) if bias_grad else dummy_array(dev, dy.dtype)
     if kind == 0 and not _SIM:
