@@ -554,6 +554,28 @@ def _group_sum8(p0, p1, p2, p3, p4, p5, p6, p7, kq):
     return _half(r0, r1, (kq & 1) != 0, 1)
 
 
+def _make_col4(ld):
+    @cuda.jit(device=True, inline=True)
+    def col4(a, bb, width, r, batch, ok):
+        """(a[bb + i, r] for i = 0..3), 0 past the batch or when not ok: a lane's 4 batch columns
+        of column r of a (batch, width) operand."""
+        v0 = float32(0.0)
+        v1 = float32(0.0)
+        v2 = float32(0.0)
+        v3 = float32(0.0)
+        if ok:
+            if bb < batch:
+                v0 = ld(a, uint32(bb * width + r))
+            if bb + 1 < batch:
+                v1 = ld(a, uint32((bb + 1) * width + r))
+            if bb + 2 < batch:
+                v2 = ld(a, uint32((bb + 2) * width + r))
+            if bb + 3 < batch:
+                v3 = ld(a, uint32((bb + 3) * width + r))
+        return v0, v1, v2, v3
+    return col4
+
+
 def _make_stage_quad(ld):
     @cuda.jit(device=True, inline=True)
     def stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads):
@@ -649,6 +671,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
     FUSED = fused
     WITH_DB = with_db
     stage = _make_stage_quad(ld)
+    col4 = _make_col4(ld)
 
     @cuda.jit(device=True, inline=True)
     def load_nz(idx, val, perm, k, end, c0):
@@ -725,20 +748,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                 a2 = float32(0.0)
                 a3 = float32(0.0)
                 if FUSED:  # X[b0 + 4k .. 4k + 3, r]: this lane's batch columns of X's column r
-                    x0 = float32(0.0)
-                    x1 = float32(0.0)
-                    x2 = float32(0.0)
-                    x3 = float32(0.0)
-                    bb = int32(b0 + k4)
-                    if s0 < s1:
-                        if bb < batch:
-                            x0 = ld(xf, uint32(bb * n_rows + r))
-                        if bb + 1 < batch:
-                            x1 = ld(xf, uint32((bb + 1) * n_rows + r))
-                        if bb + 2 < batch:
-                            x2 = ld(xf, uint32((bb + 2) * n_rows + r))
-                        if bb + 3 < batch:
-                            x3 = ld(xf, uint32((bb + 3) * n_rows + r))
+                    x0, x1, x2, x3 = col4(xf, int32(b0 + k4), n_rows, r, batch, s0 < s1)
                 base = s0
                 while base < s1:
                     ca = _quad_row(int32(cr - c0))
@@ -857,6 +867,7 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False):
     cv = _CONVERTERS[kind]
     WITH_DB = with_db
     stage = _make_stage_quad(ld)
+    col4 = _make_col4(ld)
     tile_out = _make_tile_out(cv)
 
     def sddmm_wide(x, dy, seg, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch, nch, cw):
@@ -894,19 +905,7 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False):
                     r = int32(r + rstride)
                     continue
                 # dY[b0 + 4k + i, r] for this lane's 4 batch columns
-                d0 = float32(0.0)
-                d1 = float32(0.0)
-                d2 = float32(0.0)
-                d3 = float32(0.0)
-                bb = int32(b0 + k4)
-                if bb < batch:
-                    d0 = ld(dy, uint32(bb * n_rows + r))
-                if bb + 1 < batch:
-                    d1 = ld(dy, uint32((bb + 1) * n_rows + r))
-                if bb + 2 < batch:
-                    d2 = ld(dy, uint32((bb + 2) * n_rows + r))
-                if bb + 3 < batch:
-                    d3 = ld(dy, uint32((bb + 3) * n_rows + r))
+                d0, d1, d2, d3 = col4(dy, int32(b0 + k4), n_rows, r, batch, True)
                 if with_db:  # the 8 lanes of a group hold the tile's 32 batch columns
                     tb = (d0 + d1) + (d2 + d3)
                     tb += cuda.shfl_xor_sync(FULL_MASK, tb, 1)
