@@ -332,6 +332,31 @@ def test_cuda_graph_training_step():
     assert not torch.equal(values_before, layer.values.detach())
 
 
+def _replayed_grads(layer, x, dy):
+    """(gradients [x, values(, bias)] of layer(x).backward(dy) replayed from a CUDA graph of the
+    step (warmed up on a side stream; poisoned with NaN before the replay), the graph: kept by
+    the caller while it reads them)."""
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).backward(dy)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    got = [x.grad, layer.values.grad] + ([layer.bias.grad] if layer.bias is not None else [])
+    for t in got:
+        t.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    return got, g
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("bias", [True, False])
@@ -346,25 +371,8 @@ def test_cuda_graph_backward_on_two_branches_matches_eager(bias):
     layer(x).backward(dy)
     want = [x.grad.clone(), layer.values.grad.clone()] + ([layer.bias.grad.clone()] if bias else [])
 
-    def step():
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        layer(x).backward(dy)
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    got, _graph = _replayed_grads(layer, x, dy)
     assert torch.device("cuda", torch.cuda.current_device()) in Fn._SIDE
-    got = [x.grad, layer.values.grad] + ([layer.bias.grad] if bias else [])
-    for t in got:
-        t.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
     for name, a, b in zip(("dx", "dv", "db"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
@@ -394,24 +402,7 @@ def test_fused_backward_matches_float64_eager_and_captured(B, bias):
         assert ((a.double() - b).norm() / b.norm()).item() < 1e-5, name
     eager = [t.clone() for t in got]
 
-    def step():
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        layer(x).backward(dy)
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    got = [x.grad, layer.values.grad] + ([layer.bias.grad] if bias else [])
-    for t in got:
-        t.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
+    got, _graph = _replayed_grads(layer, x, dy)
     for name, a, b in zip(("dx", "dv", "db"), got, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
