@@ -566,11 +566,11 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     n_out, n_in = topo.shape
     _check_values(values, topo.nnz, dy.dtype, topo.device)
     batch = dy.shape[0]
+    kind = _KIND[dy.dtype]
     plan = None
     if fuses_backward(batch, topo, fused) and n_in > 0:
-        plan = _cached_plan(topo, ("fused_plan", batch, _KIND[dy.dtype], threads, chunks, split, bool(bias_grad)),
-                            _build_fused_plan, batch, _KIND[dy.dtype], topo.device, threads, chunks, split,
-                            bool(bias_grad))
+        plan = _cached_plan(topo, ("fused_plan", batch, kind, threads, chunks, split, bool(bias_grad)),
+                            _build_fused_plan, batch, kind, topo.device, threads, chunks, split, bool(bias_grad))
     if plan is None:
         dx = spmm_t(dy, topo, values, threads=threads)
         res = sddmm(dy, x, topo, bias_grad=bias_grad, threads=threads)
@@ -580,7 +580,6 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     x = x.contiguous()
     values = values.contiguous()
     bound, atomic = plan
-    kind = _KIND[dy.dtype]
     dx = torch.empty(batch, n_in, dtype=dy.dtype, device=dev)
     target = _atomic_target(dx, atomic, dev)
     dv = torch.empty(topo.nnz, dtype=dy.dtype, device=dev)
