@@ -5,8 +5,7 @@
     sddmm(dy, x, topo, out=None)        dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
     sddmm(dy, x, topo, bias_grad=True)  (dv, db): also db (out,) = sum_b dY[b, :] (same launch)
     spmm_t_sddmm(dy, x, topo, values, bias_grad=False)   (dX, dv[, db]): the whole backward, one
-                                        fused launch where `fuses_backward` says so (16 <= B <= 32
-                                        on >= 150 K non-zeros), else spmm_t and sddmm
+                                        fused launch where `fuses_backward` says so (16 <= B <= 32), else spmm_t and sddmm
 W is the (out, in) matrix of `topo` (a snack.core.Topology on the same device, canonical
 row-major) with `values` (nnz,) in that order. x, dy, values: float32, float16 or bfloat16, one
 dtype per call, on one CUDA device (CPU tensors under the Numba simulator); results have the
@@ -534,12 +533,15 @@ def _sddmm_launch(kern, grid, threads, smem, index, scalars, needs_acc):
 # ---- the fused backward ---------------------------------------------------------------------------
 # Batch sizes whose backward (dX, dv and db) runs as one pass of the fused wide kernel
 # (kernels.make_spmm_wide_kernel(fused=True)): FUSED_FROM_B <= B <= FUSED_MAX_B (one 32-column
-# batch tile: the kernel keeps no partial sums across tiles), for matrices of at least
-# WIDE_MIN_NNZ non-zeros (a wide block stages a whole chunk whatever its rows). Measured on the
-# H200 (4096 x 4096, graph medians, us, fused vs spmm_t + sddmm with db on one stream / on two):
-# 90 %: B = 8 38.1 vs 28.1 / 27.0, B = 16 38.7 vs 46.1 / 44.6, B = 24 39.4 vs 57.2 / 55.7,
-# B = 32 40.8 vs 47.0 / 44.8; 95 %, B = 16 / 32: 26.7 vs 32.3, 28.7 vs 34.7; 99 %, B = 16 / 32:
-# 16.5 vs 19.3, 18.4 vs 24.7.
+# batch tile: the kernel keeps no partial sums across tiles), on any matrix. Measured on the H200
+# (graph medians, us, fused vs spmm_t + sddmm with db, each op's default kernel):
+# 4096 x 4096 at 90 %: B = 8 38.6 vs 28.2, B = 16 38.8 vs 46.2, B = 32 40.6 vs 46.6; at 99 %:
+# B = 8 15.9 vs 12.6, B = 16 16.4 vs 19.4, B = 32 18.4 vs 25.1. GPT-2's shapes at B = 16 / 32
+# (out x in, 90 % / 99 %): 2304 x 768 13.2 / 13.7 vs 18.0 / 19.1, 8.8 / 9.4 vs 10.8 / 12.3;
+# 768 x 768 12.0 / 12.3 vs 13.2 / 13.4, 7.8 / 8.4 vs 9.6 / 10.0; 3072 x 768 16.3 / 16.4 vs
+# 20.1 / 21.0; 768 x 3072 13.1 / 14.5 vs 18.9 / 20.8, 8.0 / 9.6 vs 15.7 / 14.6: the fused pass
+# wins from B = 16 whatever the size (a wide block's staging of a whole chunk is paid once
+# instead of twice). At B = 8 it loses on square matrices (768 x 768 at 90 %: 11.9 vs 10.0).
 FUSED_FROM_B = 16
 FUSED_MAX_B = kernels.WIDE
 
@@ -550,7 +552,7 @@ def fuses_backward(batch: int, topo: Topology, fused: Optional[bool] = None) -> 
     fused=False never."""
     if batch < 1 or batch > FUSED_MAX_B or topo.nnz == 0 or fused is False:
         return False
-    return bool(fused) or (batch >= FUSED_FROM_B and topo.nnz >= WIDE_MIN_NNZ)
+    return bool(fused) or batch >= FUSED_FROM_B
 
 
 def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torch.Tensor, *,

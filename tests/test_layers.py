@@ -381,7 +381,7 @@ def test_cuda_graph_backward_on_two_branches_matches_eager(bias):
 @cuda
 @pytest.mark.parametrize("B,bias", [(16, True), (32, False), (32, True)])
 def test_fused_backward_matches_float64_eager_and_captured(B, bias):
-    """From B = 16 to 32 on a matrix of >= 150 K non-zeros the GPU backward is one fused launch
+    """From B = 16 to 32 the GPU backward is one fused launch
     (dX, dv, db): its gradients equal a float64 dense computation, eagerly and replayed from a
     CUDA graph (gradients poisoned before the replay)."""
     import snack.gpu as G
