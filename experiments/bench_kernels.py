@@ -2,7 +2,8 @@
 cuSPARSE (torch.sparse CSR), side by side in one run, on the GPU.
 
 For each shape (out x in), sparsity and batch B it checks every op against a float64 reference
-(outputs poisoned with NaN first), then times
+(outputs poisoned with NaN first), then times the forward, dX, the SDDMM and the whole backward
+(dX and dv: `snack.gpu.spmm_t_sddmm`, fused from B = 16 to 32, and its two separate ops):
   - GPU time: CUDA-graph replay (triton.testing.do_bench_cudagraph), median;
   - eager time as a user calls it (triton.testing.do_bench, L2 flushed), median;
 and the HBM roofline fraction of the SNACK forward (bytes: 12 per non-zero + 4 * B * (in + out),
@@ -127,6 +128,11 @@ def main(argv=None):
             fn()
             torch.cuda.synchronize()
             errs[name] = rel_err(out, ref())
+        # the whole backward (dX and dv) as a layer runs it: one fused launch from B = 16 to 32
+        # (snack.gpu.fuses_backward), else spmm_t and sddmm
+        bdx, bdv = G.spmm_t_sddmm(dy, x, topo, v)
+        errs["backward"] = max(rel_err(bdx, spmm_t_reference(dyd, topo.indices, vd, n_in)),
+                               rel_err(bdv, sddmm_reference(dyd, xd, topo.indices)))
         nnz = coo.nnz
         floor_bytes = 12 * nnz + 4 * B * (n_in + n_out)
         methods = {
@@ -146,6 +152,12 @@ def main(argv=None):
                 "dense": (lambda: dy.t() @ x, None),
                 "dense_mask": (lambda: (dy.t() @ x) * M, None),
             },
+            "backward": {
+                "snack": (lambda: G.spmm_t_sddmm(dy, x, topo, v), None),
+                "snack_separate": (lambda: G.spmm_t_sddmm(dy, x, topo, v, fused=False), None),
+                "dense": (lambda: (dy @ W, dy.t() @ x), None),
+                "dense_mask": (lambda: (dy @ (W * M), (dy.t() @ x) * M), None),
+            },
         }
         for op, ms in methods.items():
             for method, (eager_fn, graph_fn) in ms.items():
@@ -159,7 +171,7 @@ def main(argv=None):
                 rows.append(dict(meta, shape=shape, out_features=n_out, in_features=n_in, sparsity=sp,
                                  batch=B, nnz=nnz, op=op, method=method, graph_us=round(g_us, 3),
                                  eager_us=round(e_us, 3),
-                                 rel_err=errs[op] if method == "snack" else "",
+                                 rel_err=errs[op] if method.startswith("snack") else "",
                                  roofline_frac=round(floor_bytes / bw / (g_us * 1e-6), 4)
                                  if (method == "snack" and op == "forward") else ""))
         del W, M, W_csr
@@ -215,7 +227,7 @@ def print_summary(rows):
     from collections import defaultdict
     t = defaultdict(dict)
     for r in rows:
-        if r["op"] in ("forward", "dX", "SDDMM"):
+        if r["op"] in ("forward", "dX", "SDDMM", "backward"):
             t[(r["shape"], r["sparsity"], r["batch"], r["op"])][r["method"]] = r
     print(f"{'shape':>10} {'sp':>5} {'B':>4} {'op':>7} {'snack':>8} {'dense':>8} {'d+mask':>8} {'cusp':>8}"
           f" {'x dense':>7} {'x d+m':>6} {'x cusp':>6} {'roof':>5} {'eager':>8} {'err':>8}")
