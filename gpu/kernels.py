@@ -631,7 +631,8 @@ def _make_stage_quad(ld):
 
 @functools.lru_cache(maxsize=None)
 def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: bool = False,
-                          idx16: bool = False, fused: bool = False, with_db: bool = False):
+                          idx16: bool = False, fused: bool = False, with_db: bool = False,
+                          rows4: bool = False):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -658,11 +659,17 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
     the column and one of the value serve all 4 groups); lane k of a group reads batch columns
     4k..4k+3 of its non-zero's column in one 16-byte shared-memory read (conflict-free: the 8
     lanes read the 8 chunks of one 128-byte row). A step stops at the segment's end.
+    `rows4` (for short segments; not with `fused`): each group of 8 lanes takes a row of its
+    own, so a warp works on 4 rows at once and needs no sum over groups at the row's end; a
+    group walks its segment 8 non-zeros per round (one load per lane, then 8 sub-steps taking
+    them in turn by shuffles), for as many sub-steps as the warp's longest segment needs.
     """
     if fused and (not has_perm or has_bias):
         raise ValueError("the fused backward runs on the transposed order (has_perm) without a bias")
     if with_db and not fused:
         raise ValueError("with_db needs fused")
+    if rows4 and fused:
+        raise ValueError("rows4 is a variant of the plain SpMMs, not of the fused backward")
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
     HAS_PERM = has_perm
@@ -670,6 +677,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
     HAS_BIAS = has_bias
     FUSED = fused
     WITH_DB = with_db
+    ROWS4 = rows4
     stage = _make_stage_quad(ld)
     col4 = _make_col4(ld)
 
@@ -716,7 +724,66 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
         hi8 = (lane & 8) != 0
         hi16 = (lane & 16) != 0
         nwarps = nthreads >> 5
-        for ch in range(ch0, ch1):
+        if ROWS4:
+            # one row per group of 8 lanes (short segments): group g of warp w takes the rows
+            # r0 + 4 * (w + m * nwarps) + g, m = 0, 1, ..., so a warp works on 4 rows at a time
+            # and no sum over groups is needed; a group walks its row 8 entries at a time (lane
+            # k of the group loads entry 8i + k, the 8 sub-steps take them in turn), for as many
+            # rounds as the warp's longest segment needs (entries past a segment's end have
+            # value 0); the next row's bounds and first 8 entries are requested a row ahead
+            src8 = lane & 24
+            step4 = int32(4 * nwarps)
+            for ch in range(ch0, ch1):
+                c0 = int32(ch * cw)
+                width = min(int32(cw), int32(n_cols) - c0)
+                rg = int32(r0 + 4 * (tid >> 5) + g)
+                s0, s1 = _bounds(seg, rg * nch + ch, rg < r1)
+                cr, va = load_nz(idx, val, perm, int32(s0 + kq), s1, c0)
+                if ch > ch0:
+                    cuda.syncthreads()  # the previous chunk is consumed
+                stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
+                cuda.syncthreads()
+                while rg - g < r1:  # the warp's first row of the four (warp-uniform)
+                    rn = int32(rg + step4)
+                    ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
+                    a0 = float32(0.0)
+                    a1 = float32(0.0)
+                    a2 = float32(0.0)
+                    a3 = float32(0.0)
+                    ng = int32(s1 - s0)
+                    n = max(ng, cuda.shfl_xor_sync(FULL_MASK, ng, 8))
+                    n = max(n, cuda.shfl_xor_sync(FULL_MASK, n, 16))
+                    t = int32(0)
+                    while t < n:
+                        ca = _quad_row(int32(cr - c0))
+                        vc = float32(0.0)
+                        if t < ng:
+                            vc = va
+                            # this group's next 8 entries, or the next row's first 8
+                            more = t + 8 < ng
+                            cr, va = load_nz(idx, val, perm, int32((s0 + t + 8 if more else ns0) + kq),
+                                             s1 if more else ns1, c0)
+                        if t + 8 <= n:  # a whole round for the longest segment: no test per sub-step
+                            for i in range(8):
+                                a0, a1, a2, a3 = _quad_step(xs, ca, vc, src8 + i, k4, a0, a1, a2, a3)
+                        else:
+                            i = int32(0)
+                            while t + i < n:
+                                a0, a1, a2, a3 = _quad_step(xs, ca, vc, src8 + i, k4, a0, a1, a2, a3)
+                                i = int32(i + 1)
+                        t = int32(t + 8)
+                    if ng <= 0:  # an empty segment requested nothing: the next row's first entries
+                        cr, va = load_nz(idx, val, perm, int32(ns0 + kq), ns1, c0)
+                    elif rg < r1:
+                        o = uint32(ybase + (rg - r0) * 33 + k4)
+                        xs[o] += a0
+                        xs[o + 1] += a1
+                        xs[o + 2] += a2
+                        xs[o + 3] += a3
+                    s0 = ns0
+                    s1 = ns1
+                    rg = rn
+        for ch in range(ch0, ch1 if not ROWS4 else ch0):
             c0 = int32(ch * cw)
             width = min(int32(cw), int32(n_cols) - c0)
             # rows are software-pipelined: the first row's segment bounds and first 32
@@ -844,7 +911,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
 
     spmm_wide.__name__ = (f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}"
                           f"{'_atomic' if atomic else ''}{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}"
-                          f"{'_fused' if fused else ''}{'_db' if with_db else ''}")
+                          f"{'_fused' if fused else ''}{'_db' if with_db else ''}{'_rows4' if rows4 else ''}")
     return _jit(spmm_wide, launch_bounds=(1024,))
 
 

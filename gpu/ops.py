@@ -280,6 +280,15 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
                         has_bias)
 
 
+# Mean non-zeros per (row, column chunk) segment below which the wide SpMMs give each group of 8
+# lanes a row of its own (kernels.make_spmm_wide_kernel(rows4=True)) instead of a warp per row.
+# Measured on the H200 (graph medians, forward / dX, warp per row -> rows4, us): 4096 x 4096 at
+# 99 %, B = 128 (14 per segment) 23.6 -> 20.8 / 25.4 -> 23.4, B = 64 (10) 16.6 -> 14.3 /
+# 17.6 -> 15.4; 98 %, B = 128 (27) 26.9 -> 25.7 / 31.7 -> 30.9; 97 %, B = 128 (41) 30.6 -> 30.6 /
+# 36.1 -> 38.1; 95 %, B = 32 (51) 16.4 -> 16.9 / 18.0 -> 18.5.
+WIDE_ROWS4_BELOW = 32
+
+
 # Batch tiles whose tiled SpMM (forward; transposed) runs with lanes that own their non-zeros
 # (kernels.make_spmm_own_kernel: no shuffle per non-zero). Measured on the H200 at 4096 x 4096
 # against the shuffle-broadcast kernel, graph medians: forward at 90 / 95 / 99 % and B = 8
@@ -302,7 +311,8 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
         if wp is not None:
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
-            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, nsplit > 1, has_bias, idx16)
+            rows4 = topo.nnz < WIDE_ROWS4_BELOW * n_rows * nch  # short segments: a row per lane group
+            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, nsplit > 1, has_bias, idx16, rows4=rows4)
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
             return _spmm_launch(kern, (nsplit, ntiles, gy), threads, smem,
                                 [_seg(topo, transposed, nch, cw), idx, third],

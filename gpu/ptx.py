@@ -42,10 +42,11 @@ def variants():
                 out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 3)))
         for perm, bias in ((False, False), (True, False), (False, True)):
             for atomic in (False, True):
-                d = kernels.make_spmm_wide_kernel(kind, perm, atomic, bias)
-                yel = "float32" if atomic else el
-                out.append((d.py_func.__name__, d,
-                            _sig([el, "int32", "int32", el, "int32", yel, el, el, el, el], 7)))
+                for rows4 in (False, True):
+                    d = kernels.make_spmm_wide_kernel(kind, perm, atomic, bias, rows4=rows4)
+                    yel = "float32" if atomic else el
+                    out.append((d.py_func.__name__, d,
+                                _sig([el, "int32", "int32", el, "int32", yel, el, el, el, el], 7)))
         for atomic in (False, True):  # the fused backward (dX, dv and optionally db in one pass)
             for with_db in (False, True):
                 for i16 in ((False, True) if kind == 0 else (False,)):
@@ -59,10 +60,11 @@ def variants():
                     d = make(bt, kind, True, False, True)
                     out.append((d.py_func.__name__, d, _sig([el, "int32", "uint16", el, "int32", el, el], 3)))
             for atomic in (False, True):
-                d = kernels.make_spmm_wide_kernel(kind, True, atomic, False, True)
-                out.append((d.py_func.__name__, d,
-                            _sig([el, "int32", "uint16", el, "int32", "float32" if atomic else el, el, el, el, el],
-                                 7)))
+                for rows4 in (False, True):
+                    d = kernels.make_spmm_wide_kernel(kind, True, atomic, False, True, rows4=rows4)
+                    out.append((d.py_func.__name__, d,
+                                _sig([el, "int32", "uint16", el, "int32", "float32" if atomic else el, el, el, el,
+                                      el], 7)))
         for with_db in (False, True):
             d = kernels.make_sddmm_wide_kernel(kind, with_db)
             out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))

@@ -147,15 +147,24 @@ def test_half_precision(dtype):
     _check(coo, 3, dtype, seed=11)
 
 
+@pytest.fixture(params=["warp", "rows4"])
+def wide_mode(request, monkeypatch):
+    """The wide SpMMs with a warp per row, or with a row per group of 8 lanes (rows4, chosen for
+    short segments), whatever the segments' lengths."""
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 0 if request.param == "warp" else 10 ** 9)
+    return request.param
+
+
 @pytest.mark.parametrize("B,chunks", [(16, None), (20, 2)])
-def test_wide_kernels(B, chunks):
+def test_wide_kernels(B, chunks, wide_mode):
     # 32-wide batch tiles (partial); chunks=2 splits the columns and adds partial rows with atomics
     coo = COO.random((3, 19), density=0.4, seed=B)
     _check(coo, B, torch.float32, seed=2, wide=True, chunks=chunks)
 
 
 @pytest.mark.parametrize("B,chunks,split", [(32, 3, 1), (33, 3, 2)])
-def test_wide_kernels_split(B, chunks, split):
+def test_wide_kernels_split(B, chunks, split, wide_mode):
     # a block consumes several chunks in turn (split < chunks); split > 1 adds with atomics
     coo = COO.random((5, 37), density=0.3, seed=B)
     _check_spmm(coo, B, seed=6, wide=True, chunks=chunks, split=split)
@@ -225,7 +234,7 @@ def test_wide_flush_with_more_rows_than_threads(monkeypatch, chunks):
 
 
 @pytest.mark.parametrize("chunks,B", [(1, 33), (2, 32)])  # B = 32: the fused backward too
-def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch, chunks, B):
+def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch, chunks, B, wide_mode):
     # 2 warps over one row block of 12 rows (6 rows each): segments of several 32-entry steps
     # (the last one partial), empty rows, and a row with non-zeros in the second chunk only,
     # so that each warp's stream of steps runs across rows of every kind
@@ -240,6 +249,23 @@ def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch,
     idx = mask.nonzero().T.to(torch.int32)
     coo = COO(idx, torch.randn(idx.shape[1], generator=g), (12, 150))
     _check(coo, B, torch.float32, seed=8, wide=True, chunks=chunks, threads=64)
+
+
+@pytest.mark.parametrize("dtype,B,chunks", [(torch.float32, 35, None), (torch.float16, 40, 2)])
+def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, chunks):
+    # rows4, one warp over 13 rows: the four groups of a warp walk segments of 0, 1, 7, 8, 9
+    # and 90 non-zeros side by side (rounds of 8, the last one trimmed to the longest segment),
+    # and the last round of rows has one row and three groups past the block's rows
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9)
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
+    g = torch.Generator().manual_seed(3)
+    mask = torch.zeros(13, 90, dtype=torch.bool)
+    for r, n in enumerate([90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 5]):
+        mask[r, torch.randperm(90, generator=g)[:n]] = True
+    idx = mask.nonzero().T.to(torch.int32)
+    coo = COO(idx, torch.randn(idx.shape[1], generator=g), (13, 90))
+    _check(coo, B, dtype, seed=4, wide=True, chunks=chunks, threads=32)
 
 
 def test_wide_kernels_bfloat16_with_chunks():
