@@ -22,7 +22,9 @@ with atomics across chunks by default) are taken where they measured faster (`WI
 SpMMs from B = 32 at >= 3 % density with >= 150 K non-zeros below B = 64, and from B = 96 at any;
 the SDDMM from B = 16 at >= 3 % and from B = 32) or when asked (`wide=True`, `chunks=`,
 `split=`); their column chunks are as wide as shared memory allows, or at most
-`WIDE_CHUNK_COLS` columns for B <= 64 when several chunks are needed anyway.
+`WIDE_CHUNK_COLS` columns for B <= 64 when several chunks are needed anyway; where rows hold
+fewer than `WIDE_ROWS4_BELOW` non-zeros per chunk on average, each group of 8 lanes takes a row
+of its own (`rows4`) instead of a warp per row.
 """
 from __future__ import annotations
 
