@@ -724,32 +724,45 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
         hi8 = (lane & 8) != 0
         hi16 = (lane & 16) != 0
         nwarps = nthreads >> 5
-        if ROWS4:
-            # one row per group of 8 lanes (short segments): group g of warp w takes the rows
-            # r0 + 4 * (w + m * nwarps) + g, m = 0, 1, ..., so a warp works on 4 rows at a time
-            # and no sum over groups is needed; a group walks its row 8 entries at a time (lane
-            # k of the group loads entry 8i + k, the 8 sub-steps take them in turn), for as many
-            # rounds as the warp's longest segment needs (entries past a segment's end have
-            # value 0); the next row's bounds and first 8 entries are requested a row ahead
-            src8 = lane & 24
-            step4 = int32(4 * nwarps)
-            for ch in range(ch0, ch1):
-                c0 = int32(ch * cw)
-                width = min(int32(cw), int32(n_cols) - c0)
-                rg = int32(r0 + 4 * (tid >> 5) + g)
-                s0, s1 = _bounds(seg, rg * nch + ch, rg < r1)
-                cr, va = load_nz(idx, val, perm, int32(s0 + kq), s1, c0)
-                if ch > ch0:
-                    cuda.syncthreads()  # the previous chunk is consumed
-                stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
-                cuda.syncthreads()
-                while rg - g < r1:  # the warp's first row of the four (warp-uniform)
-                    rn = int32(rg + step4)
-                    ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
-                    a0 = float32(0.0)
-                    a1 = float32(0.0)
-                    a2 = float32(0.0)
-                    a3 = float32(0.0)
+        # rows: warp w takes rows r0 + w, r0 + w + nwarps, ...; with ROWS4 (short segments) group
+        # g of warp w takes rows r0 + 4 * (w + m * nwarps) + g, m = 0, 1, ..., so a warp works on
+        # 4 rows at a time and needs no sum over groups; a load of a row's first non-zeros takes
+        # 32 per warp (lane l: entry l), or with ROWS4 8 per group (lane k of a group: entry k)
+        for ch in range(ch0, ch1):
+            c0 = int32(ch * cw)
+            width = min(int32(cw), int32(n_cols) - c0)
+            # rows are software-pipelined: the first row's segment bounds and first non-zeros
+            # are requested before the staging; the next row's bounds when a row starts, and
+            # its first non-zeros with the row's last step (one stream of steps across the rows)
+            r = int32(r0 + 4 * (tid >> 5) + g) if ROWS4 else int32(r0 + (tid >> 5))
+            s0, s1 = _bounds(seg, r * nch + ch, r < r1)
+            cr, va = load_nz(idx, val, perm, int32(s0 + (kq if ROWS4 else lane)), s1, c0)
+            if ch > ch0:
+                cuda.syncthreads()  # the previous chunk is consumed
+            stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
+            cuda.syncthreads()
+            if WITH_DB and cuda.blockIdx.z == 0:
+                # db over the chunk's columns: the sum of a staged 128-byte row is the sum over
+                # the batch whatever the swizzle; lane l starts at word l (conflict-free)
+                cl = tid
+                while cl < width:
+                    tb = float32(0.0)
+                    for i in range(32):
+                        tb += xs[uint32((cl << 5) | ((cl + i) & 31))]
+                    db[uint32(c0 + cl)] = cv(tb)
+                    cl += nthreads
+            while (r - g if ROWS4 else r) < r1:  # (ROWS4: the warp's first row of the four)
+                rn = int32(r + (4 * nwarps if ROWS4 else nwarps))
+                ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
+                a0 = float32(0.0)
+                a1 = float32(0.0)
+                a2 = float32(0.0)
+                a3 = float32(0.0)
+                if ROWS4:
+                    # a group walks its row 8 entries per round (lane k of the group loads entry
+                    # 8i + k, the 8 sub-steps take them in turn), for as many rounds as the
+                    # warp's longest segment needs (entries past a segment's end have value 0)
+                    src8 = lane & 24
                     ng = int32(s1 - s0)
                     n = max(ng, cuda.shfl_xor_sync(FULL_MASK, ng, 8))
                     n = max(n, cuda.shfl_xor_sync(FULL_MASK, n, 16))
@@ -772,109 +785,75 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                                 a0, a1, a2, a3 = _quad_step(xs, ca, vc, src8 + i, k4, a0, a1, a2, a3)
                                 i = int32(i + 1)
                         t = int32(t + 8)
-                    if ng <= 0:  # an empty segment requested nothing: the next row's first entries
-                        cr, va = load_nz(idx, val, perm, int32(ns0 + kq), ns1, c0)
-                    elif rg < r1:
-                        o = uint32(ybase + (rg - r0) * 33 + k4)
+                else:
+                    if FUSED:  # X[b0 + 4k .. 4k + 3, r]: this lane's batch columns of X's column r
+                        x0, x1, x2, x3 = col4(xf, int32(b0 + k4), n_rows, r, batch, s0 < s1)
+                    base = s0
+                    while base < s1:
+                        ca = _quad_row(int32(cr - c0))
+                        nb = int32(base + 32)
+                        # the next step: this row's next 32 non-zeros, or the next row's first 32
+                        nk = nb if nb < s1 else ns0
+                        ne = s1 if nb < s1 else ns1
+                        left = int32(s1 - base)
+                        if FUSED:
+                            # where this lane's dv goes, requested before the step that computes it
+                            pos = int32(0)
+                            if kme < left:
+                                pos = int32(perm[uint32(base + kme)])
+                        cr, vn = load_nz(idx, val, perm, int32(nk + lane), ne, c0)
+                        if FUSED:
+                            # every step whole (entries past the end have value 0 and are not
+                            # stored): group g's sums of entries 4i + g, i = 0..7, then the
+                            # butterfly leaves entry 4 * kq + g's total in this lane
+                            # (in the butterfly's pairing order, so that few partial sums are live)
+                            a0, a1, a2, a3, p0 = _quad_step_dot(xs, ca, va, g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                            a0, a1, a2, a3, p4 = _quad_step_dot(xs, ca, va, 16 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                            q0 = _half(p0, p4, up4, 4)
+                            a0, a1, a2, a3, p2 = _quad_step_dot(xs, ca, va, 8 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                            a0, a1, a2, a3, p6 = _quad_step_dot(xs, ca, va, 24 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                            h0 = _half(q0, _half(p2, p6, up4, 4), up2, 2)
+                            a0, a1, a2, a3, p1 = _quad_step_dot(xs, ca, va, 4 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                            a0, a1, a2, a3, p5 = _quad_step_dot(xs, ca, va, 20 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                            q1 = _half(p1, p5, up4, 4)
+                            a0, a1, a2, a3, p3 = _quad_step_dot(xs, ca, va, 12 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                            a0, a1, a2, a3, p7 = _quad_step_dot(xs, ca, va, 28 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
+                            tot = _half(h0, _half(q1, _half(p3, p7, up4, 4), up2, 2), up1, 1)
+                            if kme < left:
+                                dv[uint32(pos)] = cv(tot)
+                        elif left >= 32:  # whole step: no per-step test
+                            for t in range(0, 32, 4):
+                                a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
+                        else:
+                            t = int32(0)
+                            while t < left:
+                                a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
+                                t = int32(t + 4)
+                        va = vn
+                        base = nb
+                if s0 < s1:
+                    if ROWS4:  # the group's own row: each lane adds its 4 batch columns
+                        o = uint32(ybase + (r - r0) * 33 + k4)
                         xs[o] += a0
                         xs[o + 1] += a1
                         xs[o + 2] += a2
                         xs[o + 3] += a3
-                    s0 = ns0
-                    s1 = ns1
-                    rg = rn
-        for ch in range(ch0, ch1 if not ROWS4 else ch0):
-            c0 = int32(ch * cw)
-            width = min(int32(cw), int32(n_cols) - c0)
-            # rows are software-pipelined: the first row's segment bounds and first 32
-            # non-zeros are requested before the staging; the next row's bounds when a row
-            # starts, and its first 32 non-zeros with the row's last step (one stream of
-            # 32-entry steps across the rows)
-            r = int32(r0 + (tid >> 5))
-            s0, s1 = _bounds(seg, r * nch + ch, r < r1)
-            cr, va = load_nz(idx, val, perm, int32(s0 + lane), s1, c0)
-            if ch > ch0:
-                cuda.syncthreads()  # the previous chunk is consumed
-            stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
-            cuda.syncthreads()
-            if WITH_DB and cuda.blockIdx.z == 0:
-                # db over the chunk's columns: the sum of a staged 128-byte row is the sum over
-                # the batch whatever the swizzle; lane l starts at word l (conflict-free)
-                cl = tid
-                while cl < width:
-                    tb = float32(0.0)
-                    for i in range(32):
-                        tb += xs[uint32((cl << 5) | ((cl + i) & 31))]
-                    db[uint32(c0 + cl)] = cv(tb)
-                    cl += nthreads
-            while r < r1:
-                rn = int32(r + nwarps)
-                ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
-                a0 = float32(0.0)
-                a1 = float32(0.0)
-                a2 = float32(0.0)
-                a3 = float32(0.0)
-                if FUSED:  # X[b0 + 4k .. 4k + 3, r]: this lane's batch columns of X's column r
-                    x0, x1, x2, x3 = col4(xf, int32(b0 + k4), n_rows, r, batch, s0 < s1)
-                base = s0
-                while base < s1:
-                    ca = _quad_row(int32(cr - c0))
-                    nb = int32(base + 32)
-                    # the next step: this row's next 32 non-zeros, or the next row's first 32
-                    nk = nb if nb < s1 else ns0
-                    ne = s1 if nb < s1 else ns1
-                    left = int32(s1 - base)
-                    if FUSED:
-                        # where this lane's dv goes, requested before the step that computes it
-                        pos = int32(0)
-                        if kme < left:
-                            pos = int32(perm[uint32(base + kme)])
-                    cr, vn = load_nz(idx, val, perm, int32(nk + lane), ne, c0)
-                    if FUSED:
-                        # every step whole (entries past the end have value 0 and are not
-                        # stored): group g's sums of entries 4i + g, i = 0..7, then the
-                        # butterfly leaves entry 4 * kq + g's total in this lane
-                        # (in the butterfly's pairing order, so that few partial sums are live)
-                        a0, a1, a2, a3, p0 = _quad_step_dot(xs, ca, va, g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
-                        a0, a1, a2, a3, p4 = _quad_step_dot(xs, ca, va, 16 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
-                        q0 = _half(p0, p4, up4, 4)
-                        a0, a1, a2, a3, p2 = _quad_step_dot(xs, ca, va, 8 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
-                        a0, a1, a2, a3, p6 = _quad_step_dot(xs, ca, va, 24 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
-                        h0 = _half(q0, _half(p2, p6, up4, 4), up2, 2)
-                        a0, a1, a2, a3, p1 = _quad_step_dot(xs, ca, va, 4 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
-                        a0, a1, a2, a3, p5 = _quad_step_dot(xs, ca, va, 20 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
-                        q1 = _half(p1, p5, up4, 4)
-                        a0, a1, a2, a3, p3 = _quad_step_dot(xs, ca, va, 12 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
-                        a0, a1, a2, a3, p7 = _quad_step_dot(xs, ca, va, 28 + g, k4, a0, a1, a2, a3, x0, x1, x2, x3)
-                        tot = _half(h0, _half(q1, _half(p3, p7, up4, 4), up2, 2), up1, 1)
-                        if kme < left:
-                            dv[uint32(pos)] = cv(tot)
-                    elif left >= 32:  # whole step: no per-step test
-                        for t in range(0, 32, 4):
-                            a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
                     else:
-                        t = int32(0)
-                        while t < left:
-                            a0, a1, a2, a3 = _quad_step(xs, ca, va, t + g, k4, a0, a1, a2, a3)
-                            t = int32(t + 4)
-                    va = vn
-                    base = nb
-                if s0 < s1:
-                    # sum over the 4 groups (transposing: each lane ends with one batch column,
-                    # 4k + 2 * bit3 + bit4 of its lane)
-                    s0k = a2 if hi8 else a0
-                    s0s = a0 if hi8 else a2
-                    s1k = a3 if hi8 else a1
-                    s1s = a1 if hi8 else a3
-                    s0k += cuda.shfl_xor_sync(FULL_MASK, s0s, 8)
-                    s1k += cuda.shfl_xor_sync(FULL_MASK, s1s, 8)
-                    tk = s1k if hi16 else s0k
-                    ts = s0k if hi16 else s1k
-                    tk += cuda.shfl_xor_sync(FULL_MASK, ts, 16)
-                    col = k4 + (2 if hi8 else 0) + (1 if hi16 else 0)
-                    xs[uint32(ybase + (r - r0) * 33 + col)] += tk
-                else:  # an empty segment requested nothing: the next row's first step
-                    cr, va = load_nz(idx, val, perm, int32(ns0 + lane), ns1, c0)
+                        # sum over the 4 groups (transposing: each lane ends with one batch
+                        # column, 4k + 2 * bit3 + bit4 of its lane)
+                        s0k = a2 if hi8 else a0
+                        s0s = a0 if hi8 else a2
+                        s1k = a3 if hi8 else a1
+                        s1s = a1 if hi8 else a3
+                        s0k += cuda.shfl_xor_sync(FULL_MASK, s0s, 8)
+                        s1k += cuda.shfl_xor_sync(FULL_MASK, s1s, 8)
+                        tk = s1k if hi16 else s0k
+                        ts = s0k if hi16 else s1k
+                        tk += cuda.shfl_xor_sync(FULL_MASK, ts, 16)
+                        col = k4 + (2 if hi8 else 0) + (1 if hi16 else 0)
+                        xs[uint32(ybase + (r - r0) * 33 + col)] += tk
+                else:  # an empty segment requested nothing: the next row's first entries
+                    cr, va = load_nz(idx, val, perm, int32(ns0 + (kq if ROWS4 else lane)), ns1, c0)
                 s0 = ns0
                 s1 = ns1
                 r = rn
