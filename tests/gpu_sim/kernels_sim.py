@@ -6,7 +6,6 @@ Not collected by a plain `pytest` run (the file name has no test_ prefix): the s
 switched on before numba.cuda is imported, so tests/test_gpu_simulator.py runs this file in a
 subprocess with NUMBA_ENABLE_CUDASIM=1."""
 import copy
-import functools
 
 import pytest
 import torch
@@ -157,13 +156,20 @@ def wide_mode(request, monkeypatch):
     return request.param
 
 
+def _check_wide(mode, coo, B, seed, **kw):
+    """_check at float32 (every op) in the warp mode; in the rows4 mode the SpMMs only (the SDDMM
+    and the fused backward have one mode, checked in the warp mode)."""
+    if mode == "rows4":
+        _check_spmm(coo, B, seed, **kw)
+    else:
+        _check(coo, B, torch.float32, seed, **kw)
+
+
 @pytest.mark.parametrize("B,chunks", [(16, None), (20, 2)])
 def test_wide_kernels(B, chunks, wide_mode):
     # 32-wide batch tiles (partial); chunks=2 splits the columns and adds partial rows with atomics
     coo = COO.random((3, 19), density=0.4, seed=B)
-    # (the SDDMMs and the fused backward have one mode: checked once, with the warp-per-row SpMMs)
-    check = _check_spmm if wide_mode == "rows4" else functools.partial(_check, dtype=torch.float32)
-    check(coo, B, seed=2, wide=True, chunks=chunks)
+    _check_wide(wide_mode, coo, B, seed=2, wide=True, chunks=chunks)
 
 
 @pytest.mark.parametrize("B,chunks,split", [(32, 3, 1), (33, 3, 2)])
@@ -251,8 +257,7 @@ def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch,
     mask[9, 100:] = True                    # second chunk only
     idx = mask.nonzero().T.to(torch.int32)
     coo = COO(idx, torch.randn(idx.shape[1], generator=g), (12, 150))
-    check = _check_spmm if wide_mode == "rows4" else functools.partial(_check, dtype=torch.float32)
-    check(coo, B, seed=8, wide=True, chunks=chunks, threads=64)
+    _check_wide(wide_mode, coo, B, seed=8, wide=True, chunks=chunks, threads=64)
 
 
 @pytest.mark.parametrize("dtype,B,chunks", [(torch.float32, 35, None), (torch.float16, 40, 2)])
