@@ -9,6 +9,8 @@ import torch
 def main():
     import snack.gpu as G
     from snack.core import COO
+    from snack.gpu import ops
+    rows4_below, sddmm_rows4 = ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
     for (o, i, B, d) in [(37, 53, 1, 0.3), (64, 29, 3, 0.2), (19, 77, 9, 0.5), (5, 40, 33, 0.9), (70, 11, 70, 0.1)]:
@@ -23,8 +25,16 @@ def main():
             dxref = spmm_t_reference(dy.double(), t.indices, v.double(), i)
             dvref = sddmm_reference(dy.double(), x.double(), t.indices)
             # the default variant, then the 32-wide kernels forced (one chunk per block with
-            # atomics, and one block looping over small chunks); the forward with and without bias
-            for opts in ({}, {"wide": True}, {"wide": True, "chunks": 3, "split": 1}):
+            # atomics, and one block looping over small chunks) with a warp per row and with a
+            # row per group of 8 lanes; the forward with and without bias
+            for opts in ({}, {"wide": True, "rows4": False}, {"wide": True, "rows4": True},
+                         {"wide": True, "chunks": 3, "split": 1, "rows4": False},
+                         {"wide": True, "chunks": 3, "split": 1, "rows4": True}):
+                opts = dict(opts)
+                r4 = opts.pop("rows4", None)
+                ops.WIDE_ROWS4_BELOW = rows4_below if r4 is None else (10 ** 9 if r4 else 0)
+                ops._sddmm_rows4 = sddmm_rows4 if r4 is None else (lambda *a, r4=r4: r4)
+                t.cache.clear()
                 sd = {k: w for k, w in opts.items() if k != "split"}
                 for got, ref in ((G.spmm(x, t, v, **opts), yref), (G.spmm(x, t, v, bias=bias, **opts), ybref),
                                  (G.spmm_t(dy, t, v, **opts), dxref), (G.sddmm(dy, x, t, **sd), dvref)):
@@ -39,6 +49,7 @@ def main():
                 for got, ref in pairs:
                     e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     worst = max(worst, e if dt == torch.float32 else e / 100)
+    ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4 = rows4_below, sddmm_rows4
     # the fused Adam step (AdamW's decay too) against torch's, several grid-stride rounds
     for cls in (torch.optim.Adam, torch.optim.AdamW):
         p = torch.randn(300_001, device="cuda")

@@ -24,7 +24,11 @@ the SDDMM from B = 16 at >= 3 % and from B = 32) or when asked (`wide=True`, `ch
 `split=`); their column chunks are as wide as shared memory allows, or at most
 `WIDE_CHUNK_COLS` columns for B <= 64 when several chunks are needed anyway; where rows hold
 fewer than `WIDE_ROWS4_BELOW` non-zeros per chunk on average, each group of 8 lanes takes a row
-of its own (`rows4`) instead of a warp per row.
+of its own (`rows4`) instead of a warp per row (the SDDMM also when rows are many,
+`_sddmm_rows4`). The wide SDDMM gives each 32-column batch tile its own blocks; above B = 32
+the tiles' parts add up with fp32 atomics (its result may then differ in the last bits from
+run to run; every other op, and the SDDMM up to B = 32, is deterministic apart from the
+SpMMs' atomics across column chunks).
 """
 from __future__ import annotations
 
@@ -496,22 +500,37 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         from snack.core.reference import sddmm_reference
         dv.copy_(sddmm_reference(dy.float(), x.float(), topo.indices))
         return done()
-    bound, needs_acc = plan
-    # fp32 partial sums across batch tiles (never aliased with dv: the simulator copies each
-    # argument back separately)
-    acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if needs_acc else dummy_array(x.device)
-    if bias_grad:
-        db = torch.empty(n_out, dtype=dy.dtype, device=dy.device)
-        dbacc = torch.empty(n_out, dtype=torch.float32, device=x.device) if needs_acc else dummy_array(x.device)
+    bound, mode = plan
+    kdv = as_kernel_array(dv)
+    if mode == "atomic":  # the tiles' parts added into fp32 sums that start at zero
+        f32 = dv.dtype == torch.float32
+        acc = dv.zero_() if f32 else torch.zeros(topo.nnz, dtype=torch.float32, device=x.device)
+        kdv, acc = dummy_array(x.device, dv.dtype), as_kernel_array(acc)
     else:
-        db, dbacc = dummy_array(x.device, dy.dtype), dummy_array(x.device)
-    bound([as_kernel_array(x), as_kernel_array(dy), as_kernel_array(dv), acc, as_kernel_array(db), dbacc], x.device)
+        # fp32 partial sums across batch tiles (never aliased with dv: the simulator copies each
+        # argument back separately)
+        acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if mode == "acc" else dummy_array(x.device)
+    db = dbacc = None
+    if bias_grad:
+        if mode == "atomic":
+            dbacc = torch.zeros(n_out, dtype=torch.float32, device=x.device)
+        else:
+            db = torch.empty(n_out, dtype=dy.dtype, device=dy.device)
+            dbacc = torch.empty(n_out, dtype=torch.float32, device=x.device) if mode == "acc" else dummy_array(x.device)
+    kdb = as_kernel_array(db) if db is not None else dummy_array(x.device, dy.dtype)
+    bound([as_kernel_array(x), as_kernel_array(dy), kdv, acc, kdb,
+           dbacc if dbacc is not None else dummy_array(x.device)], x.device)
+    if mode == "atomic":
+        if dv.dtype != torch.float32:
+            dv.copy_(acc)
+        if bias_grad:
+            db = dbacc.to(dy.dtype)
     return (dv, db) if bias_grad else dv
 
 
 def _sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db):
     """The SDDMM's launch beyond the per-call tensors, cached on the topology like `_spmm_plan`:
-    (BoundLaunch, needs fp32 accumulators?) (see `_sddmm_launch`) or None."""
+    (BoundLaunch, how the batch tiles add up) (see `_sddmm_launch`) or None."""
     return _cached_plan(topo, ("sddmm_plan", batch, kind, bt, threads, wide, chunks, with_db),
                         _build_sddmm_plan, batch, kind, device, bt, threads, wide, chunks, with_db)
 
@@ -522,24 +541,45 @@ def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with
         nch, cw, smem = wide_chunks(n_in, device, chunks, batch)
         if smem <= device_properties(device)[1]:
             ntiles = -(-batch // kernels.WIDE)
-            gy = _grid_rows(n_out, nch, smem, device, threads, _WIDE_REGS)
-            return _sddmm_launch(kernels.make_sddmm_wide_kernel(kind, with_db), (nch, gy), threads, smem,
-                                 [_seg(topo, False, nch, cw), topo.indices[1]], [n_out, n_in, batch, nch, cw],
-                                 ntiles > 1)
+            rows4 = _sddmm_rows4(topo, nch, ntiles, threads, device)
+            gy = _grid_rows(-(-n_out // 4) if rows4 else n_out, nch * ntiles, smem, device, threads, _WIDE_REGS)
+            mode = "atomic" if ntiles > 1 else None
+            return _sddmm_launch(kernels.make_sddmm_wide_kernel(kind, with_db, rows4, ntiles > 1), (nch, gy, ntiles),
+                                 threads, smem, [_seg(topo, False, nch, cw), topo.indices[1]],
+                                 [n_out, n_in, batch, nch, cw], mode)
     tile, smem = choose_tile(batch, n_in, device, bt)
     if tile is None:
         return None
     ntiles = -(-batch // tile)
     gy = _grid_rows(n_out, 1, smem, device, threads)
     return _sddmm_launch(kernels.make_sddmm_kernel(tile, kind, with_db), (1, gy), threads, smem,
-                         [topo.row_ptr, topo.indices[1]], [n_out, n_in, batch], ntiles > 1)
+                         [topo.row_ptr, topo.indices[1]], [n_out, n_in, batch], "acc" if ntiles > 1 else None)
 
 
-def _sddmm_launch(kern, grid, threads, smem, index, scalars, needs_acc):
+# The wide SDDMM takes a row per group of 8 lanes (kernels.make_sddmm_wide_kernel(rows4=True))
+# for short segments (as the wide SpMMs), and also for long ones when there are rows enough for
+# blocks of 4 rows per warp to fill at least half the SMs: a warp then issues 4 rows' dY loads
+# at once. Measured on the H200 (graph medians, us, with db, warp per row -> rows4; B = 128 with
+# the batch tiles in the grid): 4096 x 4096 at 99 % B = 128 31.3 -> 18.8, B = 32 14.1 -> 9.3; 95 %
+# B = 128 46.5 -> 39.4, B = 32 17.2 -> 14.4; 90 % B = 128 68.4 -> 64.8, B = 32 22.6 -> 20.8,
+# B = 512 312 -> 295; 768 x 3072 at 99 % B = 128 13.9 -> 12.1; 3072 x 768 at 99 % 13.4 -> 9.7,
+# 90 % 18.7 -> 18.5; but 768 x 768 at 90 % B = 128 (77 per segment, 24 blocks of rows4) 11.0 -> 17.8.
+# (Before the batch tiles went to the grid, every block visited the 4 tiles of B = 128 in turn:
+# 99 % 48.9 us warp / 38.5 rows4, 95 % 65.8 / 69.5, 90 % 89.2 / 106.2.)
+def _sddmm_rows4(topo, nch, ntiles, threads, device):
+    """Whether the wide SDDMM takes a row per group of 8 lanes (see above)."""
+    n_out = topo.shape[0]
+    busy = -(-n_out // (4 * (threads // 32))) * nch * ntiles
+    return topo.nnz < WIDE_ROWS4_BELOW * n_out * nch or 2 * busy >= device_properties(device)[0]
+
+
+def _sddmm_launch(kern, grid, threads, smem, index, scalars, mode):
     """The plan: (BoundLaunch of `kern` with the index arrays bound, taking [x, dy, dv, acc, db,
-    dbacc] per call; whether fp32 accumulators carry partial sums across batch tiles)."""
+    dbacc] per call; how the batch tiles' parts add up: None (one tile), "acc" (the tiled kernel:
+    the same thread visits the tiles in turn, through fp32 accumulators) or "atomic" (the wide
+    kernel: a tile per block, fp32 atomics into zeroed sums))."""
     a1, a2 = index
-    return BoundLaunch(kern, grid, threads, smem, [None, None, a1, a2, None, None, None, None], scalars), needs_acc
+    return BoundLaunch(kern, grid, threads, smem, [None, None, a1, a2, None, None, None, None], scalars), mode
 
 
 # ---- the fused backward ---------------------------------------------------------------------------

@@ -66,8 +66,11 @@ def variants():
                                 _sig([el, "int32", "uint16", el, "int32", "float32" if atomic else el, el, el, el,
                                       el], 7)))
         for with_db in (False, True):
-            d = kernels.make_sddmm_wide_kernel(kind, with_db)
-            out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))
+            for rows4 in (False, True):
+                for atomic in (False, True):
+                    d = kernels.make_sddmm_wide_kernel(kind, with_db, rows4, atomic)
+                    out.append((d.py_func.__name__, d,
+                                _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))
     from numba import types
     for decoupled in (False, True):
         d = kernels.make_adam_kernel(decoupled)

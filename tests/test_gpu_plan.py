@@ -84,3 +84,21 @@ def test_tiled_kernel_variant_by_batch_tile(h200, transposed, batch, own):
     bt = min(8, 1 << (batch - 1).bit_length())
     maker = kernels.make_spmm_own_kernel if own else kernels.make_spmm_kernel
     assert kern is maker(bt, 0, transposed, False, transposed)  # transposed: uint16 row index (50 rows)
+
+
+def test_wide_sddmm_row_per_lane_group_for_short_segments_or_many_rows(h200, monkeypatch):
+    from types import SimpleNamespace
+
+    def t(o, i, sparsity):
+        return SimpleNamespace(shape=(o, i), nnz=round(o * i * (1 - sparsity)))
+    # 99 %, B = 128: 14 non-zeros per (row, chunk) segment
+    assert ops._sddmm_rows4(t(4096, 4096, 0.99), 3, 4, 1024, h200)
+    # 768 x 3072 at 99 %: 15 per segment though only 6 blocks of rows per (chunk, tile)
+    assert ops._sddmm_rows4(t(768, 3072, 0.99), 2, 4, 1024, h200)
+    # long segments (102 per chunk at 90 %) but 32 x 4 blocks of 4 rows per warp: >= half the SMs
+    assert ops._sddmm_rows4(t(4096, 4096, 0.9), 4, 1, 1024, h200)
+    # 768 x 768 at 90 %: 77 per segment and 24 blocks: a warp per row
+    assert not ops._sddmm_rows4(t(768, 768, 0.9), 1, 4, 1024, h200)
+    # the short-segment bound is WIDE_ROWS4_BELOW's
+    monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 8)
+    assert not ops._sddmm_rows4(t(768, 3072, 0.99), 2, 4, 1024, h200)

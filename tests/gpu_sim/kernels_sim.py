@@ -22,7 +22,7 @@ def _rel(a, ref):
     return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _check(coo, B, dtype, seed, **kw):
+def _check(coo, B, dtype, seed, fused=True, **kw):
     g = torch.Generator().manual_seed(seed)
     o, i = coo.shape
     x = torch.randn(B, i, generator=g).to(dtype)
@@ -44,7 +44,7 @@ def _check(coo, B, dtype, seed, **kw):
     assert db.dtype == dtype and db.shape == (o,)
     got = [y, dx, dv, db]
     names = ["spmm", "spmm_t", "sddmm", "db"]
-    if B <= 32:  # the fused backward (dX, dv, db in one launch) with the same chunks and split
+    if fused and B <= 32:  # the fused backward (dX, dv, db in one launch) with the same chunks and split
         # (its variant without db: test_fused_backward_and_its_fallback_agree)
         fkw = {k: a for k, a in kw.items() if k in ("chunks", "split", "threads")}
         got += list(G.spmm_t_sddmm(dy, x, t, v, bias_grad=True, fused=True, **fkw))
@@ -149,20 +149,19 @@ def test_half_precision(dtype):
 
 @pytest.fixture(params=["warp", "rows4"])
 def wide_mode(request, monkeypatch):
-    """The wide SpMMs with a warp per row, or with a row per group of 8 lanes (rows4, chosen for
-    short segments), whatever the segments' lengths."""
+    """The wide SpMMs and SDDMM with a warp per row, or with a row per group of 8 lanes (rows4,
+    chosen for short segments), whatever the segments' lengths."""
     from snack.gpu import ops
-    monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 0 if request.param == "warp" else 10 ** 9)
+    rows4 = request.param == "rows4"
+    monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9 if rows4 else 0)
+    monkeypatch.setattr(ops, "_sddmm_rows4", lambda *args: rows4)
     return request.param
 
 
 def _check_wide(mode, coo, B, seed, **kw):
-    """_check at float32 (every op) in the warp mode; in the rows4 mode the SpMMs only (the SDDMM
-    and the fused backward have one mode, checked in the warp mode)."""
-    if mode == "rows4":
-        _check_spmm(coo, B, seed, **kw)
-    else:
-        _check(coo, B, torch.float32, seed, **kw)
+    """_check at float32: every op in the warp mode; in the rows4 mode all but the fused
+    backward (one mode, checked in the warp mode)."""
+    _check(coo, B, torch.float32, seed, fused=mode != "rows4", **kw)
 
 
 @pytest.mark.parametrize("B,chunks", [(16, None), (20, 2)])
@@ -267,6 +266,7 @@ def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, 
     # and the last round of rows has one row and three groups past the block's rows
     from snack.gpu import ops
     monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9)
+    monkeypatch.setattr(ops, "_sddmm_rows4", lambda *args: True)
     monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
     g = torch.Generator().manual_seed(3)
     mask = torch.zeros(13, 90, dtype=torch.bool)
