@@ -504,8 +504,8 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     kdv = as_kernel_array(dv)
     if mode == "atomic":  # the tiles' parts added into fp32 sums that start at zero
         f32 = dv.dtype == torch.float32
-        acc = dv.zero_() if f32 else torch.zeros(topo.nnz, dtype=torch.float32, device=x.device)
-        kdv, acc = dummy_array(x.device, dv.dtype), as_kernel_array(acc)
+        acc = zero(dv if f32 else torch.empty(topo.nnz, dtype=torch.float32, device=x.device))
+        kdv, acc = _kind_dummy(x.device, _KIND[dv.dtype]), as_kernel_array(acc)
     else:
         # fp32 partial sums across batch tiles (never aliased with dv: the simulator copies each
         # argument back separately)
@@ -513,11 +513,11 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     db = dbacc = None
     if bias_grad:
         if mode == "atomic":
-            dbacc = torch.zeros(n_out, dtype=torch.float32, device=x.device)
+            dbacc = zero(torch.empty(n_out, dtype=torch.float32, device=x.device))
         else:
             db = torch.empty(n_out, dtype=dy.dtype, device=dy.device)
             dbacc = torch.empty(n_out, dtype=torch.float32, device=x.device) if mode == "acc" else dummy_array(x.device)
-    kdb = as_kernel_array(db) if db is not None else dummy_array(x.device, dy.dtype)
+    kdb = as_kernel_array(db) if db is not None else _kind_dummy(x.device, _KIND[dy.dtype])
     bound([as_kernel_array(x), as_kernel_array(dy), kdv, acc, kdb,
            dbacc if dbacc is not None else dummy_array(x.device)], x.device)
     if mode == "atomic":

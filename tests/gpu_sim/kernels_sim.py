@@ -277,9 +277,10 @@ def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, 
     _check(coo, B, dtype, seed=4, wide=True, chunks=chunks, threads=32)
 
 
-def test_wide_kernels_bfloat16_with_chunks():
+@pytest.mark.parametrize("B", [9, 33])  # B = 33: the SDDMM's tiles add up in fp32 atomics
+def test_wide_kernels_bfloat16_with_chunks(B):
     coo = COO.random((3, 17), density=0.4, seed=9)
-    _check(coo, 9, torch.bfloat16, seed=4, wide=True, chunks=2)
+    _check(coo, B, torch.bfloat16, seed=4, wide=True, chunks=2)
 
 
 def test_bad_input_is_rejected_before_launch():
