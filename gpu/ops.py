@@ -295,6 +295,12 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
 WIDE_ROWS4_BELOW = 32
 
 
+def _short_segments(topo, n_rows: int, nch: int) -> bool:
+    """Whether the op's rows (n_rows of them, cut into nch column chunks) hold fewer than
+    WIDE_ROWS4_BELOW non-zeros per segment on average: the wide kernels' rows4 mode."""
+    return topo.nnz < WIDE_ROWS4_BELOW * n_rows * nch
+
+
 # Batch tiles whose tiled SpMM (forward; transposed) runs with lanes that own their non-zeros
 # (kernels.make_spmm_own_kernel: no shuffle per non-zero). Measured on the H200 at 4096 x 4096
 # against the shuffle-broadcast kernel, graph medians: forward at 90 / 95 / 99 % and B = 8
@@ -317,7 +323,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
         if wp is not None:
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
-            rows4 = topo.nnz < WIDE_ROWS4_BELOW * n_rows * nch  # short segments: a row per lane group
+            rows4 = _short_segments(topo, n_rows, nch)  # a row per lane group
             kern = kernels.make_spmm_wide_kernel(kind, perm is not None, nsplit > 1, has_bias, idx16, rows4=rows4)
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
             return _spmm_launch(kern, (nsplit, ntiles, gy), threads, smem,
@@ -501,30 +507,27 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         dv.copy_(sddmm_reference(dy.float(), x.float(), topo.indices))
         return done()
     bound, mode = plan
-    kdv = as_kernel_array(dv)
-    if mode == "atomic":  # the tiles' parts added into fp32 sums that start at zero
-        f32 = dv.dtype == torch.float32
-        acc = zero(dv if f32 else torch.empty(topo.nnz, dtype=torch.float32, device=x.device))
-        kdv, acc = _kind_dummy(x.device, _KIND[dv.dtype]), as_kernel_array(acc)
-    else:
-        # fp32 partial sums across batch tiles (never aliased with dv: the simulator copies each
-        # argument back separately)
-        acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if mode == "acc" else dummy_array(x.device)
-    db = dbacc = None
-    if bias_grad:
-        if mode == "atomic":
-            dbacc = zero(torch.empty(n_out, dtype=torch.float32, device=x.device))
-        else:
-            db = torch.empty(n_out, dtype=dy.dtype, device=dy.device)
-            dbacc = torch.empty(n_out, dtype=torch.float32, device=x.device) if mode == "acc" else dummy_array(x.device)
-    kdb = as_kernel_array(db) if db is not None else _kind_dummy(x.device, _KIND[dy.dtype])
-    bound([as_kernel_array(x), as_kernel_array(dy), kdv, acc, kdb,
-           dbacc if dbacc is not None else dummy_array(x.device)], x.device)
+    db = torch.empty(n_out, dtype=dy.dtype, device=dy.device) if bias_grad else None
     if mode == "atomic":
-        if dv.dtype != torch.float32:
+        # the tiles' parts are added into zeroed fp32 sums (dv and db themselves when fp32); the
+        # kernel leaves its dv and db arguments unread
+        acc = _atomic_target(dv, True, x.device)
+        dbacc = _atomic_target(db, True, x.device) if bias_grad else None
+        kdv, kdb = _kind_dummy(x.device, _KIND[dv.dtype]), _kind_dummy(x.device, _KIND[dy.dtype])
+    else:
+        # "acc": fp32 partial sums across batch tiles (never aliased with dv: the simulator
+        # copies each argument back separately)
+        acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if mode == "acc" else dummy_array(x.device)
+        dbacc = torch.empty(n_out, dtype=torch.float32, device=x.device) if bias_grad and mode == "acc" else None
+        kdv = as_kernel_array(dv)
+        kdb = as_kernel_array(db) if bias_grad else _kind_dummy(x.device, _KIND[dy.dtype])
+    bound([as_kernel_array(x), as_kernel_array(dy), kdv, as_kernel_array(acc), kdb,
+           dbacc if dbacc is not None else dummy_array(x.device)], x.device)
+    if mode == "atomic":  # the fp32 sums into dv and db where they are separate buffers
+        if acc is not dv:
             dv.copy_(acc)
-        if bias_grad:
-            db = dbacc.to(dy.dtype)
+        if bias_grad and dbacc is not db:
+            db.copy_(dbacc)
     return (dv, db) if bias_grad else dv
 
 
@@ -570,7 +573,7 @@ def _sddmm_rows4(topo, nch, ntiles, threads, device):
     """Whether the wide SDDMM takes a row per group of 8 lanes (see above)."""
     n_out = topo.shape[0]
     busy = -(-n_out // (4 * (threads // 32))) * nch * ntiles
-    return topo.nnz < WIDE_ROWS4_BELOW * n_out * nch or 2 * busy >= device_properties(device)[0]
+    return _short_segments(topo, n_out, nch) or 2 * busy >= device_properties(device)[0]
 
 
 def _sddmm_launch(kern, grid, threads, smem, index, scalars, mode):
