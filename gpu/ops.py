@@ -29,6 +29,12 @@ of its own (`rows4`) instead of a warp per row (the SDDMM also when rows are man
 the tiles' parts add up with fp32 atomics (its result may then differ in the last bits from
 run to run; every other op, and the SDDMM up to B = 32, is deterministic apart from the
 SpMMs' atomics across column chunks).
+
+Determinism: under `torch.use_deterministic_algorithms(True)` every op gives bit-identical
+results from run to run: the wide SpMMs (and the fused backward) let one block consume all the
+column chunks of its rows (`split=1`: no atomics; an explicit split > 1 is refused), and the wide
+SDDMM above B = 32 runs one 32-row batch slice at a time and adds the slices' parts in order.
+Both cost time where the atomics were faster (see gpu/PERFORMANCE.md).
 """
 from __future__ import annotations
 
@@ -406,8 +412,20 @@ def _check_bias(bias, n_out: int, dtype, device):
     return bias.contiguous()
 
 
+def _deterministic_split(split: Optional[int]) -> Optional[int]:
+    """`split` as the wide kernels take it: 1 (one block consumes all the column chunks of its
+    rows, no atomics) under torch.use_deterministic_algorithms(True), else as given."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return split
+    if split is not None and int(split) > 1:
+        raise ValueError(f"split={split} adds partial rows with atomics, whose order varies from run to run, "
+                         "and torch.use_deterministic_algorithms(True) is set: pass split=1 or None")
+    return 1
+
+
 def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, split, bias=None):
     """Shared body of spmm (a = x, W) and spmm_t (a = dy, W^T): validate, allocate, launch."""
+    split = _deterministic_split(split)
     dev = topo.device
     _check_common(name, a, dev)
     n_out, n_in = topo.shape
@@ -493,7 +511,11 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     x = x.contiguous()
     dy = dy.contiguous()
     slices = _batch_slices(batch, max(n_in, n_out))
-    if len(slices) > 1:  # sum of per-slice results, in fp32
+    if (len(slices) == 1 and batch > kernels.WIDE and torch.are_deterministic_algorithms_enabled()
+            and _use_wide(batch, wide, "sddmm", topo)):
+        # the wide kernel adds its batch tiles' parts with atomics: one tile at a time instead
+        slices = [(b, min(batch, b + kernels.WIDE)) for b in range(0, batch, kernels.WIDE)]
+    if len(slices) > 1:  # sum of per-slice results, in fp32, in slice order
         total = torch.zeros(topo.nnz, dtype=torch.float32, device=x.device)
         part = torch.empty_like(dv)
         for b0, b1 in slices:
@@ -624,6 +646,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     _check_values(values, topo.nnz, dy.dtype, topo.device)
     batch = dy.shape[0]
     kind = _KIND[dy.dtype]
+    split = _deterministic_split(split)
     plan = None
     if fuses_backward(batch, topo, fused) and n_in > 0:
         plan = _cached_plan(topo, ("fused_plan", batch, kind, threads, chunks, split, bool(bias_grad)),

@@ -136,6 +136,41 @@ def test_benchmark_points(sparsity, B, gen):
     _run_all(coo, B, torch.float32, gen)
 
 
+@pytest.mark.parametrize("B", [32, 128])
+def test_deterministic_mode_is_bit_identical_from_run_to_run(B, gen):
+    # torch.use_deterministic_algorithms(True): the wide ops run without atomics, so repeated
+    # calls give the same bits (with atomics across 4 column chunks they differ in the last
+    # bits); the layer's forward and backward too
+    import snack
+    import snack.gpu as G
+    from snack.core import COO
+    coo = COO.random((4096, 4096), density=0.1, generator=gen, device="cuda")
+    t, v = coo.topology, coo.values
+    x = torch.randn(B, 4096, generator=gen).cuda()
+    dy = torch.randn(B, 4096, generator=gen).cuda()
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _run_all(coo, B, torch.float32, gen)
+        calls = [lambda: G.spmm(x, t, v), lambda: G.spmm_t(dy, t, v),
+                 lambda: G.sddmm(dy, x, t, bias_grad=True)[0]]
+        if B <= 32:
+            calls.append(lambda: torch.cat([a.reshape(-1) for a in G.spmm_t_sddmm(dy, x, t, v, bias_grad=True)]))
+        for call in calls:
+            first = call().clone()
+            for _ in range(4):
+                assert torch.equal(call(), first)
+        layer = snack.SparseLinear(4096, 4096, sparsity=0.9).cuda()
+        grads = []
+        for _ in range(3):
+            layer.zero_grad()
+            layer(x).square().sum().backward()
+            grads.append(torch.cat([layer.values.grad, layer.bias.grad]))
+        assert all(torch.equal(g, grads[0]) for g in grads[1:])
+    finally:
+        torch.use_deterministic_algorithms(old)
+
+
 def test_empty_rows_and_no_nonzeros(gen):
     from snack.core import COO
     idx = torch.tensor([[0, 0, 5, 9], [3, 7, 1, 7]])
