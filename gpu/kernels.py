@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import config, cuda, float32, float64, int16, int32, uint32
+from numba import config, cuda, float32, float64, int16, int32, int64, uint32
 from numba.types import float16
 
 FULL_MASK = 0xFFFFFFFF
@@ -632,7 +632,7 @@ def _make_stage_quad(ld):
 @functools.lru_cache(maxsize=None)
 def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
-                          rows4: bool = False):
+                          rows4: bool = False, parts: bool = False):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -648,9 +648,11 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
     (db (n_cols,) like x), summed from the staged chunks by the first block of each chunk.
     x (B, n_cols); seg int32 (n_rows * nch + 1,); idx int32 (nnz,) global column of each entry;
     val (nnz,), read through perm when has_perm; y (B, n_rows): with `atomic` an fp32 buffer
-    that must be zero (partial sums are added), else written once per element.
+    that must be zero (partial sums are added), with `parts` an fp32 buffer (nsplit, B, n_rows)
+    in which the blocks of chunk group j write part j of every element (plain stores, summed in
+    order by the caller: deterministic), else written once per element.
     Launch: grid (nsplit, n_batch_tiles, ceil(n_rows / rows_per_block)) with
-    nsplit = ceil(nch / cps) (`atomic` iff nsplit > 1), dynamic shared memory
+    nsplit = ceil(nch / cps) (`atomic` or `parts` iff nsplit > 1), dynamic shared memory
     (cw * 32 + rows_per_block * 33) * 4 bytes. A block owns rows_per_block consecutive rows and
     cps consecutive column chunks, which it stages and consumes in turn; the rows' partial
     outputs add up in a shared-memory tile that is written once at the end, consecutive threads
@@ -670,10 +672,13 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
         raise ValueError("with_db needs fused")
     if rows4 and fused:
         raise ValueError("rows4 is a variant of the plain SpMMs, not of the fused backward")
+    if atomic and parts:
+        raise ValueError("partial rows are added with atomics or written as parts, not both")
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
     HAS_PERM = has_perm
     ATOMIC = atomic
+    PARTS = parts
     HAS_BIAS = has_bias
     FUSED = fused
     WITH_DB = with_db
@@ -873,7 +878,10 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
             col = int32(0)
             rr = tid
             dcol = int32(1)
-        with_bias = HAS_BIAS and (not ATOMIC or cuda.blockIdx.x == 0)
+        with_bias = HAS_BIAS and (not (ATOMIC or PARTS) or cuda.blockIdx.x == 0)
+        part = int64(0)
+        if PARTS:  # this chunk group's part of y: (B, n_rows) elements
+            part = int64(cuda.blockIdx.x) * int64(y.shape[0] // cuda.gridDim.x)
         while col < ncol:
             q = rr
             while q < nr:
@@ -883,26 +891,33 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
                 o = uint32((b0 + col) * int32(n_rows) + r0 + q)
                 if ATOMIC:
                     cuda.atomic.add(y, o, v)
+                elif PARTS:
+                    y[part + int64(o)] = v
                 else:
                     y[o] = cv(v)
                 q += nthreads
             col += dcol
 
     spmm_wide.__name__ = (f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}"
-                          f"{'_atomic' if atomic else ''}{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}"
-                          f"{'_fused' if fused else ''}{'_db' if with_db else ''}{'_rows4' if rows4 else ''}")
+                          f"{'_atomic' if atomic else ''}{'_parts' if parts else ''}{'_bias' if has_bias else ''}"
+                          f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
+                          f"{'_rows4' if rows4 else ''}")
     return _jit(spmm_wide, launch_bounds=(1024,))
 
 
 @functools.lru_cache(maxsize=None)
-def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False, atomic: bool = False):
+def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False, atomic: bool = False,
+                           parts: bool = False):
     """dv[k] = sum_b dY[b, r_k] X[b, idx[k]] with 32-column batch tiles and column chunks (and,
     `with_db`, db[r] = sum_b dY[b, r], summed by the blocks of the first chunk).
 
     Signature: (x, dy, seg, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch, nch, cw); db
     (n_rows,) like dy, read only `with_db`; with `atomic` (several batch tiles) the parts are
     added into dvacc fp32 (nnz,) and dbacc fp32 (n_rows,), zero before the launch, and dv, db
-    are not used; without, dv and db are written once and the accumulators are not used.
+    are not used; with `parts` (instead of `atomic`) batch tile z writes its part of every entry
+    into row z of dvacc fp32 (n_batch_tiles, nnz) and dbacc fp32 (n_batch_tiles, n_rows) with
+    plain stores (summed in order by the caller: deterministic); without either, dv and db are
+    written once and the accumulators are not used.
     Launch: grid (nch, n_row_blocks, n_batch_tiles), shared memory cw * 32 * 4 bytes: block z
     takes batch tile z only, so that each tile's chunk is staged by its share of the blocks, as
     in the forward (visiting the tiles in turn in every block staged B / 32 times as much: 4x at
@@ -922,6 +937,9 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
     WITH_DB = with_db
     ROWS4 = rows4
     ATOMIC = atomic
+    PARTS = parts
+    if atomic and parts:
+        raise ValueError("the batch tiles' parts are added with atomics or written as parts, not both")
     stage = _make_stage_quad(ld)
     col4 = _make_col4(ld)
 
@@ -930,6 +948,8 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
         """Element i's part t from this block's batch tile (a dv entry, a db row)."""
         if ATOMIC:
             cuda.atomic.add(acc, uint32(i), t)
+        elif PARTS:
+            acc[int64(cuda.blockIdx.z) * int64(acc.shape[0] // cuda.gridDim.z) + int64(i)] = t
         else:
             out[uint32(i)] = cv(t)
 
@@ -1017,7 +1037,7 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
             r = int32(r + rstride)
 
     sddmm_wide.__name__ = (f"snack_sddmm_wide_{KINDS[kind]}{'_db' if with_db else ''}"
-                           f"{'_rows4' if rows4 else ''}{'_atomic' if atomic else ''}")
+                           f"{'_rows4' if rows4 else ''}{'_atomic' if atomic else ''}{'_parts' if parts else ''}")
     return _jit(sddmm_wide, launch_bounds=(1024,))
 
 

@@ -30,11 +30,10 @@ the tiles' parts add up with fp32 atomics (its result may then differ in the las
 run to run; every other op, and the SDDMM up to B = 32, is deterministic apart from the
 SpMMs' atomics across column chunks).
 
-Determinism: under `torch.use_deterministic_algorithms(True)` every op gives bit-identical
-results from run to run: the wide SpMMs (and the fused backward) let one block consume all the
-column chunks of its rows (`split=1`: no atomics; an explicit split > 1 is refused), and the wide
-SDDMM above B = 32 runs one 32-row batch slice at a time and adds the slices' parts in order.
-Both cost time where the atomics were faster (see gpu/PERFORMANCE.md).
+Determinism: under `torch.use_deterministic_algorithms(True)` (or with PARTIAL_SUMS = "parts")
+every op gives bit-identical results from run to run: where the wide kernels would add partial
+results with atomics (the SpMMs' chunk groups, the SDDMM's batch tiles), each part is written to
+an fp32 buffer of its own and the parts are summed in order by one torch reduction.
 """
 from __future__ import annotations
 
@@ -285,11 +284,12 @@ def _cached_plan(topo, key, build, *args):
 
 def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias):
     """What the SpMM launch needs beyond the per-call tensors, cached on the topology per
-    (order, batch, dtype, options, bias or not): (BoundLaunch, atomic?) (see `_spmm_launch`), or
-    None when no variant fits in shared memory (torch fallback)."""
-    return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias),
+    (order, batch, dtype, options, bias or not, `_sum_mode`): (BoundLaunch, how partial rows add
+    up) (see `_spmm_launch`), or None when no variant fits in shared memory (torch fallback)."""
+    mode = _sum_mode()
+    return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
-                        has_bias)
+                        has_bias, mode)
 
 
 # Mean non-zeros per (row, column chunk) segment below which the wide SpMMs give each group of 8
@@ -315,7 +315,9 @@ def _short_segments(topo, n_rows: int, nch: int) -> bool:
 LANE_OWNED_TILES = {False: (4, 8), True: (2, 4, 8)}
 
 
-def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias):
+def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias,
+                     mode=None):
+    mode = mode or _sum_mode()
     if transposed:
         n_rows, n_cols = topo.shape[1], topo.shape[0]
         ptr, idx, perm = topo.col_ptr, _rows_by_col(topo), _perm32(topo)
@@ -330,11 +332,13 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
             rows4 = _short_segments(topo, n_rows, nch)  # a row per lane group
-            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, nsplit > 1, has_bias, idx16, rows4=rows4)
+            sums = mode if nsplit > 1 else None
+            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, sums == "atomic", has_bias, idx16,
+                                                 rows4=rows4, parts=sums == "parts")
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
             return _spmm_launch(kern, (nsplit, ntiles, gy), threads, smem,
                                 [_seg(topo, transposed, nch, cw), idx, third],
-                                [n_rows, n_cols, batch, nch, cw, rpb, cps], nsplit > 1, [d, d, d])
+                                [n_rows, n_cols, batch, nch, cw, rpb, cps], sums, [d, d, d])
     tile, smem = choose_tile(batch, n_cols, device, bt)
     if tile is None:
         return None
@@ -344,15 +348,15 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
         kern = kernels.make_spmm_own_kernel(tile, kind, perm is not None, has_bias, idx16)
     else:
         kern = kernels.make_spmm_kernel(tile, kind, perm is not None, has_bias, idx16)
-    return _spmm_launch(kern, (ntiles, gy), threads, smem, [ptr, idx, third], [n_rows, n_cols, batch], False)
+    return _spmm_launch(kern, (ntiles, gy), threads, smem, [ptr, idx, third], [n_rows, n_cols, batch], None)
 
 
-def _spmm_launch(kern, grid, threads, smem, index, scalars, atomic, extra=()):
+def _spmm_launch(kern, grid, threads, smem, index, scalars, sums, extra=()):
     """The plan: (BoundLaunch of `kern` with the index arrays (and the wide kernels' `extra`
-    arrays) bound, taking [x, values, output, bias or values] per call; whether partial rows
-    are added with atomics)."""
+    arrays) bound, taking [x, values, output, bias or values] per call; how the chunk groups'
+    partial rows add up: None (one group), "atomic" or "parts" (see `_partial_target`))."""
     a1, a2, a3 = index
-    return BoundLaunch(kern, grid, threads, smem, [None, a1, a2, None, a3, None, None] + list(extra), scalars), atomic
+    return BoundLaunch(kern, grid, threads, smem, [None, a1, a2, None, a3, None, None] + list(extra), scalars), sums
 
 
 def _kind_dummy(device, kind: int) -> torch.Tensor:
@@ -360,13 +364,41 @@ def _kind_dummy(device, kind: int) -> torch.Tensor:
     return as_kernel_array(dummy_array(device, (torch.float32, torch.float16, torch.int16)[kind]))
 
 
-def _atomic_target(y, atomic: bool, dev):
-    """Where a wide SpMM writes y: y itself, or, when partial rows are added with atomics, a
-    zeroed fp32 buffer (y itself when y is fp32; the caller copies a separate one into y)."""
-    if not atomic:
+# How the wide kernels add partial results (the SpMMs' chunk groups, the SDDMM's batch tiles):
+# "atomic", fp32 atomics into a zeroed sum (the order of the additions varies from run to run),
+# or "parts", each part written to an fp32 buffer of its own and the parts summed in order by one
+# torch reduction (bit-identical from run to run). torch.use_deterministic_algorithms(True)
+# selects "parts" whatever this says.
+PARTIAL_SUMS = "atomic"
+
+
+def _sum_mode() -> str:
+    return "parts" if torch.are_deterministic_algorithms_enabled() else PARTIAL_SUMS
+
+
+def _partial_target(y, sums, nparts: int, dev):
+    """Where a wide kernel writes y: y itself (sums None); with "atomic" a zeroed fp32 buffer
+    (y itself when y is fp32); with "parts" an fp32 buffer (nparts, *y.shape). `_finish_partial`
+    then makes y from it."""
+    if sums is None:
         return y
+    if sums == "parts":
+        return torch.empty((nparts,) + tuple(y.shape), dtype=torch.float32, device=dev)
     target = y if y.dtype == torch.float32 else torch.empty(y.shape, dtype=torch.float32, device=dev)
     return zero(target)
+
+
+def _finish_partial(y, target) -> None:
+    """y from `_partial_target`'s buffer: the parts summed in order, or the fp32 sum copied."""
+    if target is y:
+        return
+    if target.dim() > y.dim():
+        if y.dtype == torch.float32:
+            torch.sum(target, 0, out=y)
+        else:
+            y.copy_(target.sum(0))
+    else:
+        y.copy_(target)
 
 
 def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, split, dev):
@@ -376,8 +408,8 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
     plan = _spmm_plan(topo, transposed, x.shape[0], kind, dev, bt, threads, wide, chunks, split, bias is not None)
     if plan is None:
         return False
-    bound, atomic = plan
-    target = _atomic_target(y, atomic, dev)
+    bound, sums = plan
+    target = _partial_target(y, sums, bound.grid[0], dev)
     # without a bias, `values` stands in for the unread argument
     if kind == 2 or _SIM:  # bfloat16 as int16 bits; 1-D numpy views under the simulator
         vals = as_kernel_array(values)
@@ -385,8 +417,7 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
               dev)
     else:
         bound([x, values, target, values if bias is None else bias], dev)
-    if target is not y:
-        y.copy_(target)
+    _finish_partial(y, target)
     return True
 
 
@@ -412,20 +443,8 @@ def _check_bias(bias, n_out: int, dtype, device):
     return bias.contiguous()
 
 
-def _deterministic_split(split: Optional[int]) -> Optional[int]:
-    """`split` as the wide kernels take it: 1 (one block consumes all the column chunks of its
-    rows, no atomics) under torch.use_deterministic_algorithms(True), else as given."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return split
-    if split is not None and int(split) > 1:
-        raise ValueError(f"split={split} adds partial rows with atomics, whose order varies from run to run, "
-                         "and torch.use_deterministic_algorithms(True) is set: pass split=1 or None")
-    return 1
-
-
 def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, split, bias=None):
     """Shared body of spmm (a = x, W) and spmm_t (a = dy, W^T): validate, allocate, launch."""
-    split = _deterministic_split(split)
     dev = topo.device
     _check_common(name, a, dev)
     n_out, n_in = topo.shape
@@ -511,11 +530,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     x = x.contiguous()
     dy = dy.contiguous()
     slices = _batch_slices(batch, max(n_in, n_out))
-    if (len(slices) == 1 and batch > kernels.WIDE and torch.are_deterministic_algorithms_enabled()
-            and _use_wide(batch, wide, "sddmm", topo)):
-        # the wide kernel adds its batch tiles' parts with atomics: one tile at a time instead
-        slices = [(b, min(batch, b + kernels.WIDE)) for b in range(0, batch, kernels.WIDE)]
-    if len(slices) > 1:  # sum of per-slice results, in fp32, in slice order
+    if len(slices) > 1:  # sum of per-slice results, in fp32
         total = torch.zeros(topo.nnz, dtype=torch.float32, device=x.device)
         part = torch.empty_like(dv)
         for b0, b1 in slices:
@@ -530,11 +545,11 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         return done()
     bound, mode = plan
     db = torch.empty(n_out, dtype=dy.dtype, device=dy.device) if bias_grad else None
-    if mode == "atomic":
-        # the tiles' parts are added into zeroed fp32 sums (dv and db themselves when fp32); the
-        # kernel leaves its dv and db arguments unread
-        acc = _atomic_target(dv, True, x.device)
-        dbacc = _atomic_target(db, True, x.device) if bias_grad else None
+    if mode in ("atomic", "parts"):
+        # the tiles' parts are added into zeroed fp32 sums (dv and db themselves when fp32), or
+        # written to fp32 parts summed in order; the kernel leaves its dv and db arguments unread
+        acc = _partial_target(dv, mode, bound.grid[2], x.device)
+        dbacc = _partial_target(db, mode, bound.grid[2], x.device) if bias_grad else None
         kdv, kdb = _kind_dummy(x.device, _KIND[dv.dtype]), _kind_dummy(x.device, _KIND[dy.dtype])
     else:
         # "acc": fp32 partial sums across batch tiles (never aliased with dv: the simulator
@@ -544,23 +559,24 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         kdv = as_kernel_array(dv)
         kdb = as_kernel_array(db) if bias_grad else _kind_dummy(x.device, _KIND[dy.dtype])
     bound([as_kernel_array(x), as_kernel_array(dy), kdv, as_kernel_array(acc), kdb,
-           dbacc if dbacc is not None else dummy_array(x.device)], x.device)
-    if mode == "atomic":  # the fp32 sums into dv and db where they are separate buffers
-        if acc is not dv:
-            dv.copy_(acc)
-        if bias_grad and dbacc is not db:
-            db.copy_(dbacc)
+           as_kernel_array(dbacc) if dbacc is not None else dummy_array(x.device)], x.device)
+    if mode in ("atomic", "parts"):  # dv and db from the sums or the parts
+        _finish_partial(dv, acc)
+        if bias_grad:
+            _finish_partial(db, dbacc)
     return (dv, db) if bias_grad else dv
 
 
 def _sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db):
     """The SDDMM's launch beyond the per-call tensors, cached on the topology like `_spmm_plan`:
     (BoundLaunch, how the batch tiles add up) (see `_sddmm_launch`) or None."""
-    return _cached_plan(topo, ("sddmm_plan", batch, kind, bt, threads, wide, chunks, with_db),
-                        _build_sddmm_plan, batch, kind, device, bt, threads, wide, chunks, with_db)
+    mode = _sum_mode()
+    return _cached_plan(topo, ("sddmm_plan", batch, kind, bt, threads, wide, chunks, with_db, mode),
+                        _build_sddmm_plan, batch, kind, device, bt, threads, wide, chunks, with_db, mode)
 
 
-def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db):
+def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db, mode=None):
+    mode = mode or _sum_mode()
     n_out, n_in = topo.shape
     if _use_wide(batch, wide, "sddmm", topo):
         nch, cw, smem = wide_chunks(n_in, device, chunks, batch)
@@ -568,10 +584,11 @@ def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with
             ntiles = -(-batch // kernels.WIDE)
             rows4 = _sddmm_rows4(topo, nch, ntiles, threads, device)
             gy = _grid_rows(-(-n_out // 4) if rows4 else n_out, nch * ntiles, smem, device, threads, _WIDE_REGS)
-            mode = "atomic" if ntiles > 1 else None
-            return _sddmm_launch(kernels.make_sddmm_wide_kernel(kind, with_db, rows4, ntiles > 1), (nch, gy, ntiles),
+            sums = mode if ntiles > 1 else None
+            kern = kernels.make_sddmm_wide_kernel(kind, with_db, rows4, sums == "atomic", sums == "parts")
+            return _sddmm_launch(kern, (nch, gy, ntiles),
                                  threads, smem, [_seg(topo, False, nch, cw), topo.indices[1]],
-                                 [n_out, n_in, batch, nch, cw], mode)
+                                 [n_out, n_in, batch, nch, cw], sums)
     tile, smem = choose_tile(batch, n_in, device, bt)
     if tile is None:
         return None
@@ -601,8 +618,9 @@ def _sddmm_rows4(topo, nch, ntiles, threads, device):
 def _sddmm_launch(kern, grid, threads, smem, index, scalars, mode):
     """The plan: (BoundLaunch of `kern` with the index arrays bound, taking [x, dy, dv, acc, db,
     dbacc] per call; how the batch tiles' parts add up: None (one tile), "acc" (the tiled kernel:
-    the same thread visits the tiles in turn, through fp32 accumulators) or "atomic" (the wide
-    kernel: a tile per block, fp32 atomics into zeroed sums))."""
+    the same thread visits the tiles in turn, through fp32 accumulators), "atomic" (the wide
+    kernel: a tile per block, fp32 atomics into zeroed sums) or "parts" (the wide kernel: a tile
+    per block, each tile's part in an fp32 buffer of its own, summed in order; `_partial_target`))."""
     a1, a2 = index
     return BoundLaunch(kern, grid, threads, smem, [None, None, a1, a2, None, None, None, None], scalars), mode
 
@@ -646,11 +664,12 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     _check_values(values, topo.nnz, dy.dtype, topo.device)
     batch = dy.shape[0]
     kind = _KIND[dy.dtype]
-    split = _deterministic_split(split)
     plan = None
     if fuses_backward(batch, topo, fused) and n_in > 0:
-        plan = _cached_plan(topo, ("fused_plan", batch, kind, threads, chunks, split, bool(bias_grad)),
-                            _build_fused_plan, batch, kind, topo.device, threads, chunks, split, bool(bias_grad))
+        mode = _sum_mode()
+        plan = _cached_plan(topo, ("fused_plan", batch, kind, threads, chunks, split, bool(bias_grad), mode),
+                            _build_fused_plan, batch, kind, topo.device, threads, chunks, split, bool(bias_grad),
+                            mode)
     if plan is None:
         dx = spmm_t(dy, topo, values, threads=threads)
         res = sddmm(dy, x, topo, bias_grad=bias_grad, threads=threads)
@@ -659,9 +678,9 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     dy = dy.contiguous()
     x = x.contiguous()
     values = values.contiguous()
-    bound, atomic = plan
+    bound, sums = plan
     dx = torch.empty(batch, n_in, dtype=dy.dtype, device=dev)
-    target = _atomic_target(dx, atomic, dev)
+    target = _partial_target(dx, sums, bound.grid[0], dev)
     dv = torch.empty(topo.nnz, dtype=dy.dtype, device=dev)
     db = torch.empty(n_out, dtype=dy.dtype, device=dev) if bias_grad else dummy_array(dev, dy.dtype)
     if kind == 0 and not _SIM:
@@ -669,21 +688,24 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     else:
         bound([as_kernel_array(dy), as_kernel_array(values), as_kernel_array(target), as_kernel_array(x),
                as_kernel_array(dv), as_kernel_array(db)], dev)
-    if target is not dx:
-        dx.copy_(target)
+    _finish_partial(dx, target)
     return (dx, dv, db) if bias_grad else (dx, dv)
 
 
-def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db):
-    """(BoundLaunch of the fused backward taking [dy, values, dX, x, dv, db] per call, atomic?)
-    or None when its chunks do not fit."""
+def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db, mode=None):
+    """(BoundLaunch of the fused backward taking [dy, values, dX, x, dv, db] per call, how the
+    chunk groups' partial rows of dX add up (as `_spmm_launch`)) or None when its chunks do not
+    fit."""
+    mode = mode or _sum_mode()
     n_rows, n_cols = topo.shape[1], topo.shape[0]
     idx, perm = _rows_by_col(topo), _perm32(topo)
     wp = _wide_plan(n_rows, n_cols, batch, device, threads, chunks, split)
     if wp is None:
         return None
     nch, cw, cps, nsplit, gy, rpb, smem = wp
-    kern = kernels.make_spmm_wide_kernel(kind, True, nsplit > 1, False, idx.dtype == torch.uint16, True, with_db)
+    sums = mode if nsplit > 1 else None
+    kern = kernels.make_spmm_wide_kernel(kind, True, sums == "atomic", False, idx.dtype == torch.uint16, True, with_db,
+                                         parts=sums == "parts")
     return BoundLaunch(kern, (nsplit, 1, gy), threads, smem,
                        [None, _seg(topo, True, nch, cw), idx, None, perm, None, _kind_dummy(device, kind),
-                        None, None, None], [n_rows, n_cols, batch, nch, cw, rpb, cps]), nsplit > 1
+                        None, None, None], [n_rows, n_cols, batch, nch, cw, rpb, cps]), sums

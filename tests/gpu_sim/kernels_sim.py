@@ -178,52 +178,44 @@ def test_wide_kernels_split(B, chunks, split, wide_mode):
     _check_spmm(coo, B, seed=6, wide=True, chunks=chunks, split=split)
 
 
-@pytest.fixture
-def deterministic():
-    """torch.use_deterministic_algorithms(True) for the test, restored after it."""
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(old)
-
-
-def _atomic_plans(topo):
-    """The cached launch plans of topo that add partial results with atomics."""
-    out = []
-    for key, plan in topo.cache.items():
-        if isinstance(key, tuple) and key[0] in ("spmm_plan", "fused_plan", "sddmm_plan") and plan is not None:
-            if plan[1] is True or plan[1] == "atomic":
-                out.append(key)
-    return out
+def _plan_sums(topo):
+    """How the cached launch plans of topo add partial results: {None, "atomic", "parts", "acc"}."""
+    return {plan[1] for key, plan in topo.cache.items()
+            if isinstance(key, tuple) and key[0] in ("spmm_plan", "fused_plan", "sddmm_plan") and plan is not None}
 
 
 @pytest.mark.parametrize("B", [20, 40])
-def test_deterministic_mode_builds_no_atomic_plan(B):
-    # chunks = 3 adds the chunks' partial rows with atomics by default, and B = 40 adds the wide
-    # SDDMM's two batch tiles with atomics; under torch.use_deterministic_algorithms(True) no
-    # plan may, and the results must still be right
+def test_deterministic_mode_writes_parts_instead_of_atomics(B):
+    # chunks = 3 adds the chunks' partial rows with atomics by default, and B = 40 the wide
+    # SDDMM's two batch tiles; under torch.use_deterministic_algorithms(True) every part goes to
+    # a buffer of its own, summed in order: the results must be right and repeat bit for bit
     coo = COO.random((6, 41), density=0.3, seed=B)
     _check(coo, B, torch.float32, seed=B, wide=True, chunks=3)
-    assert _atomic_plans(coo.topology)  # the default plans do use atomics here
+    assert "atomic" in _plan_sums(coo.topology)
     det = COO.random((6, 41), density=0.3, seed=B)
     torch.use_deterministic_algorithms(True)
     try:
         _check(det, B, torch.float32, seed=B, wide=True, chunks=3)
         _check(det, B, torch.float16, seed=B + 1, wide=True, chunks=3)
+        x = torch.randn(B, 41)
+        t, v = det.topology, det.values
+        a = G.spmm(x, t, v, wide=True, chunks=3)
+        assert torch.equal(a, G.spmm(x, t, v, wide=True, chunks=3))
     finally:
         torch.use_deterministic_algorithms(False)
-    assert det.topology.cache and not _atomic_plans(det.topology)
+    assert "parts" in _plan_sums(det.topology) and "atomic" not in _plan_sums(det.topology)
 
 
-def test_deterministic_mode_refuses_an_explicit_split(deterministic):
-    coo = COO.random((6, 41), density=0.3, seed=3)
-    x, dy = torch.randn(8, 41), torch.randn(8, 6)
-    for call in (lambda: G.spmm(x, coo.topology, coo.values, wide=True, chunks=3, split=2),
-                 lambda: G.spmm_t(dy, coo.topology, coo.values, wide=True, chunks=3, split=3),
-                 lambda: G.spmm_t_sddmm(dy, x, coo.topology, coo.values, fused=True, chunks=3, split=2)):
-        with pytest.raises(ValueError, match="split=.*deterministic"):
-            call()
-    _check_spmm(coo, 8, seed=4, wide=True, chunks=3, split=1)  # split = 1 is deterministic
+@pytest.mark.parametrize("B,kw", [(33, {"chunks": 3, "split": 2}), (45, {"chunks": 2}), (20, {"chunks": 3})])
+def test_partial_sums_as_parts(B, kw, wide_mode, monkeypatch):
+    # PARTIAL_SUMS = "parts" without the deterministic flag: every wide op and mode, fp32 and
+    # bf16 (the parts are fp32 whatever the dtype)
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "PARTIAL_SUMS", "parts")
+    coo = COO.random((7, 53), density=0.3, seed=B)
+    _check_wide(wide_mode, coo, B, seed=B, wide=True, **kw)
+    _check(COO.random((7, 53), density=0.3, seed=B + 1), B, torch.bfloat16, seed=B, fused=False, wide=True, **kw)
+    assert "parts" in _plan_sums(coo.topology) and "atomic" not in _plan_sums(coo.topology)
 
 
 def test_wide_staging_fast_path():
