@@ -6,14 +6,18 @@ from __future__ import annotations
 import torch
 
 
-def main():
+def main(sums=("atomic", "parts")):
+    """sums: the ways of adding the wide kernels' partial results to run (ops.PARTIAL_SUMS)."""
     import snack.gpu as G
     from snack.core import COO
     from snack.gpu import ops
     rows4_below, sddmm_rows4 = ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
-    for (o, i, B, d) in [(37, 53, 1, 0.3), (64, 29, 3, 0.2), (19, 77, 9, 0.5), (5, 40, 33, 0.9), (70, 11, 70, 0.1)]:
+    runs = [(mode, shape) for mode in sums
+            for shape in [(37, 53, 1, 0.3), (64, 29, 3, 0.2), (19, 77, 9, 0.5), (5, 40, 33, 0.9), (70, 11, 70, 0.1)]]
+    for mode, (o, i, B, d) in runs:
+        ops.PARTIAL_SUMS = mode
         for dt in (torch.float32, torch.float16, torch.bfloat16):
             coo = COO.random((o, i), density=d, seed=o + i, device="cuda", dtype=dt)
             x = torch.randn(B, i, device="cuda", dtype=dt)
@@ -50,6 +54,7 @@ def main():
                     e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     worst = max(worst, e if dt == torch.float32 else e / 100)
     ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4 = rows4_below, sddmm_rows4
+    ops.PARTIAL_SUMS = "atomic"
     # the fused Adam step (AdamW's decay too) against torch's, several grid-stride rounds
     for cls in (torch.optim.Adam, torch.optim.AdamW):
         p = torch.randn(300_001, device="cuda")
@@ -84,4 +89,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sums", nargs="+", choices=["atomic", "parts"], default=["atomic", "parts"],
+                    help="how the wide kernels add partial results (snack.gpu.ops.PARTIAL_SUMS); default both")
+    main(tuple(ap.parse_args().sums))
