@@ -637,6 +637,9 @@ def _sddmm_launch(kern, grid, threads, smem, index, scalars, mode):
 # 20.1 / 21.0; 768 x 3072 13.1 / 14.5 vs 18.9 / 20.8, 8.0 / 9.6 vs 15.7 / 14.6: the fused pass
 # wins from B = 16 whatever the size (a wide block's staging of a whole chunk is paid once
 # instead of twice). At B = 8 it loses on square matrices (768 x 768 at 90 %: 11.9 vs 10.0).
+# Re-measured at 6f0f1fa, after the separate SDDMM got faster (rows4, batch tiles in the grid):
+# fused still wins at every point, 4096 x 4096 at 90 % B = 16 / 24 / 32 38.8 / 39.4 / 40.6 vs
+# 44.4 / 55.0 / 44.6, at 99 % 16.5 / 17.3 / 19.3 vs 19.3 / 25.6 / 20.6; GPT-2's shapes by 1-7 us.
 FUSED_FROM_B = 16
 FUSED_MAX_B = kernels.WIDE
 
