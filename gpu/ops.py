@@ -373,7 +373,11 @@ PARTIAL_SUMS = "atomic"
 
 
 def _sum_mode() -> str:
-    return "parts" if torch.are_deterministic_algorithms_enabled() else PARTIAL_SUMS
+    if torch.are_deterministic_algorithms_enabled():
+        return "parts"
+    if PARTIAL_SUMS not in ("atomic", "parts"):
+        raise ValueError(f"snack.gpu.ops.PARTIAL_SUMS must be 'atomic' or 'parts', got {PARTIAL_SUMS!r}")
+    return PARTIAL_SUMS
 
 
 def _partial_target(y, sums, nparts: int, dev):

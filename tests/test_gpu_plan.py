@@ -102,3 +102,35 @@ def test_wide_sddmm_row_per_lane_group_for_short_segments_or_many_rows(h200, mon
     # the short-segment bound is WIDE_ROWS4_BELOW's
     monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 8)
     assert not ops._sddmm_rows4(t(768, 3072, 0.99), 2, 4, 1024, h200)
+
+
+def test_partial_sums_follow_torch_deterministic_mode(monkeypatch):
+    import torch
+    old = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert ops._sum_mode() == ops.PARTIAL_SUMS == "atomic"
+        monkeypatch.setattr(ops, "PARTIAL_SUMS", "parts")
+        assert ops._sum_mode() == "parts"
+        monkeypatch.setattr(ops, "PARTIAL_SUMS", "atomics")
+        with pytest.raises(ValueError, match="PARTIAL_SUMS must be 'atomic' or 'parts'"):
+            ops._sum_mode()
+        torch.use_deterministic_algorithms(True)
+        assert ops._sum_mode() == "parts"  # whatever PARTIAL_SUMS says
+    finally:
+        torch.use_deterministic_algorithms(old)
+
+
+def test_partial_target_and_finish_sum_the_parts_in_order():
+    import torch
+    y = torch.full((3, 5), float("nan"), dtype=torch.float16)
+    parts = ops._partial_target(y, "parts", 4, torch.device("cpu"))
+    assert parts.shape == (4, 3, 5) and parts.dtype == torch.float32
+    parts.copy_(torch.randn(4, 3, 5, dtype=torch.float64).float())
+    ops._finish_partial(y, parts)
+    ref = ((parts[0] + parts[1]) + parts[2]) + parts[3]
+    assert torch.allclose(y.float(), ref, rtol=1e-3, atol=1e-3)
+    y32 = torch.empty(3, 5)
+    ops._finish_partial(y32, parts)
+    assert torch.allclose(y32, ref, rtol=1e-6, atol=1e-6)
+    assert ops._partial_target(y32, None, 4, torch.device("cpu")) is y32
