@@ -11,7 +11,7 @@ def main(sums=("atomic", "parts")):
     import snack.gpu as G
     from snack.core import COO
     from snack.gpu import ops
-    rows4_below, sddmm_rows4 = ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4
+    rows4_below, sddmm_rows4, partial_sums = ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4, ops.PARTIAL_SUMS
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
     runs = [(mode, shape) for mode in sums
@@ -54,7 +54,7 @@ def main(sums=("atomic", "parts")):
                     e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     worst = max(worst, e if dt == torch.float32 else e / 100)
     ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4 = rows4_below, sddmm_rows4
-    ops.PARTIAL_SUMS = "atomic"
+    ops.PARTIAL_SUMS = partial_sums
     # the fused Adam step (AdamW's decay too) against torch's, several grid-stride rounds
     for cls in (torch.optim.Adam, torch.optim.AdamW):
         p = torch.randn(300_001, device="cuda")

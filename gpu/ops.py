@@ -315,9 +315,7 @@ def _short_segments(topo, n_rows: int, nch: int) -> bool:
 LANE_OWNED_TILES = {False: (4, 8), True: (2, 4, 8)}
 
 
-def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias,
-                     mode=None):
-    mode = mode or _sum_mode()
+def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias, mode):
     if transposed:
         n_rows, n_cols = topo.shape[1], topo.shape[0]
         ptr, idx, perm = topo.col_ptr, _rows_by_col(topo), _perm32(topo)
@@ -579,8 +577,7 @@ def _sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db):
                         _build_sddmm_plan, batch, kind, device, bt, threads, wide, chunks, with_db, mode)
 
 
-def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db, mode=None):
-    mode = mode or _sum_mode()
+def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db, mode):
     n_out, n_in = topo.shape
     if _use_wide(batch, wide, "sddmm", topo):
         nch, cw, smem = wide_chunks(n_in, device, chunks, batch)
@@ -699,11 +696,10 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     return (dx, dv, db) if bias_grad else (dx, dv)
 
 
-def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db, mode=None):
+def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db, mode):
     """(BoundLaunch of the fused backward taking [dy, values, dX, x, dv, db] per call, how the
     chunk groups' partial rows of dX add up (as `_spmm_launch`)) or None when its chunks do not
     fit."""
-    mode = mode or _sum_mode()
     n_rows, n_cols = topo.shape[1], topo.shape[0]
     idx, perm = _rows_by_col(topo), _perm32(topo)
     wp = _wide_plan(n_rows, n_cols, batch, device, threads, chunks, split)

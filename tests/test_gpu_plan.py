@@ -76,7 +76,8 @@ def test_tiled_kernel_variant_by_batch_tile(h200, transposed, batch, own):
     from snack.core import COO
     from snack.gpu import kernels
     topo = COO.random((50, 70), density=0.1, seed=1).topology
-    bound = ops._build_spmm_plan(topo, transposed, batch, 0, "cuda:0", None, 1024, False, None, None, False)[0]
+    bound = ops._build_spmm_plan(topo, transposed, batch, 0, "cuda:0", None, 1024, False, None, None, False,
+                                  "atomic")[0]
     kern = bound.dispatcher
     name = kern.py_func.__name__
     assert ("_own_" in name) == own, name
