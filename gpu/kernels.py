@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 from numba import config, cuda, float32, float64, int16, int32, int64, uint32
 from numba.types import float16
@@ -511,6 +512,15 @@ def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False):
 WIDE = 32
 
 
+def _check_sums(sums: Optional[str]):
+    """(atomic, parts) for a wide kernel's `sums`: how its blocks add partial results: None
+    (each result written once), "atomic" (fp32 atomics into a zeroed buffer) or "parts" (each
+    part in an fp32 buffer of its own, summed in order by the caller)."""
+    if sums not in (None, "atomic", "parts"):
+        raise ValueError(f"sums must be None, 'atomic' or 'parts', got {sums!r}")
+    return sums == "atomic", sums == "parts"
+
+
 @cuda.jit(device=True, inline=True)
 def _quad_row(c):
     """Offset of column c's row in the staged chunk with its swizzle bits: c * 32 | (c & 7) * 4.
@@ -630,9 +640,9 @@ def _make_stage_quad(ld):
 
 
 @functools.lru_cache(maxsize=None)
-def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: bool = False,
+def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
-                          rows4: bool = False, parts: bool = False):
+                          rows4: bool = False):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -647,16 +657,17 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
     lane k takes X[4k..4k+3, c]); and with `with_db` the bias gradient db[r] = sum_b dY[b, r]
     (db (n_cols,) like x), summed from the staged chunks by the first block of each chunk.
     x (B, n_cols); seg int32 (n_rows * nch + 1,); idx int32 (nnz,) global column of each entry;
-    val (nnz,), read through perm when has_perm; y (B, n_rows): with `atomic` an fp32 buffer
-    that must be zero (partial sums are added), with `parts` an fp32 buffer (nsplit, B, n_rows)
-    in which the blocks of chunk group j write part j of every element (plain stores, summed in
-    order by the caller: deterministic), else written once per element.
+    val (nnz,), read through perm when has_perm; y (B, n_rows): with sums="atomic" an fp32
+    buffer that must be zero (partial sums are added), with sums="parts" an fp32 buffer
+    (nsplit, B, n_rows) in which the blocks of chunk group j write part j of every element
+    (plain stores, summed in order by the caller: deterministic), with sums=None written once
+    per element.
     Launch: grid (nsplit, n_batch_tiles, ceil(n_rows / rows_per_block)) with
-    nsplit = ceil(nch / cps) (`atomic` or `parts` iff nsplit > 1), dynamic shared memory
+    nsplit = ceil(nch / cps) (`sums` given iff nsplit > 1), dynamic shared memory
     (cw * 32 + rows_per_block * 33) * 4 bytes. A block owns rows_per_block consecutive rows and
     cps consecutive column chunks, which it stages and consumes in turn; the rows' partial
     outputs add up in a shared-memory tile that is written once at the end, consecutive threads
-    on consecutive rows (coalesced; with `atomic`, one coalesced atomic add per element).
+    on consecutive rows (coalesced; with "atomic", one coalesced atomic add per element).
     A warp step takes 4 non-zeros of a row segment, one per group of 8 lanes (one shuffle of
     the column and one of the value serve all 4 groups); lane k of a group reads batch columns
     4k..4k+3 of its non-zero's column in one 16-byte shared-memory read (conflict-free: the 8
@@ -672,13 +683,10 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
         raise ValueError("with_db needs fused")
     if rows4 and fused:
         raise ValueError("rows4 is a variant of the plain SpMMs, not of the fused backward")
-    if atomic and parts:
-        raise ValueError("partial rows are added with atomics or written as parts, not both")
+    ATOMIC, PARTS = _check_sums(sums)
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
     HAS_PERM = has_perm
-    ATOMIC = atomic
-    PARTS = parts
     HAS_BIAS = has_bias
     FUSED = fused
     WITH_DB = with_db
@@ -899,25 +907,24 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, atomic: bool, has_bias: boo
             col += dcol
 
     spmm_wide.__name__ = (f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}"
-                          f"{'_atomic' if atomic else ''}{'_parts' if parts else ''}{'_bias' if has_bias else ''}"
+                          f"{'_' + sums if sums else ''}{'_bias' if has_bias else ''}"
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
                           f"{'_rows4' if rows4 else ''}")
     return _jit(spmm_wide, launch_bounds=(1024,))
 
 
 @functools.lru_cache(maxsize=None)
-def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False, atomic: bool = False,
-                           parts: bool = False):
+def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False, sums: Optional[str] = None):
     """dv[k] = sum_b dY[b, r_k] X[b, idx[k]] with 32-column batch tiles and column chunks (and,
     `with_db`, db[r] = sum_b dY[b, r], summed by the blocks of the first chunk).
 
     Signature: (x, dy, seg, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch, nch, cw); db
-    (n_rows,) like dy, read only `with_db`; with `atomic` (several batch tiles) the parts are
-    added into dvacc fp32 (nnz,) and dbacc fp32 (n_rows,), zero before the launch, and dv, db
-    are not used; with `parts` (instead of `atomic`) batch tile z writes its part of every entry
-    into row z of dvacc fp32 (n_batch_tiles, nnz) and dbacc fp32 (n_batch_tiles, n_rows) with
-    plain stores (summed in order by the caller: deterministic); without either, dv and db are
-    written once and the accumulators are not used.
+    (n_rows,) like dy, read only `with_db`; with sums="atomic" (several batch tiles) the parts
+    are added into dvacc fp32 (nnz,) and dbacc fp32 (n_rows,), zero before the launch, and dv,
+    db are not used; with sums="parts" batch tile z writes its part of every entry into row z
+    of dvacc fp32 (n_batch_tiles, nnz) and dbacc fp32 (n_batch_tiles, n_rows) with plain stores
+    (summed in order by the caller: deterministic); with sums=None (one batch tile) dv and db
+    are written once and the accumulators are not used.
     Launch: grid (nch, n_row_blocks, n_batch_tiles), shared memory cw * 32 * 4 bytes: block z
     takes batch tile z only, so that each tile's chunk is staged by its share of the blocks, as
     in the forward (visiting the tiles in turn in every block staged B / 32 times as much: 4x at
@@ -936,10 +943,7 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
     cv = _CONVERTERS[kind]
     WITH_DB = with_db
     ROWS4 = rows4
-    ATOMIC = atomic
-    PARTS = parts
-    if atomic and parts:
-        raise ValueError("the batch tiles' parts are added with atomics or written as parts, not both")
+    ATOMIC, PARTS = _check_sums(sums)
     stage = _make_stage_quad(ld)
     col4 = _make_col4(ld)
 
@@ -1037,7 +1041,7 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
             r = int32(r + rstride)
 
     sddmm_wide.__name__ = (f"snack_sddmm_wide_{KINDS[kind]}{'_db' if with_db else ''}"
-                           f"{'_rows4' if rows4 else ''}{'_atomic' if atomic else ''}{'_parts' if parts else ''}")
+                           f"{'_rows4' if rows4 else ''}{'_' + sums if sums else ''}")
     return _jit(sddmm_wide, launch_bounds=(1024,))
 
 

@@ -268,7 +268,8 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
 class BoundLaunch:
     """One launch configuration of a kernel with its fixed arguments bound once: the grid, the
     block, the shared memory, the scalars and the arrays that stay the same from call to call
-    (an op's cached index arrays). A call passes only the other arrays, in argument order.
+    (an op's cached index arrays). A call passes only the other arrays, in argument order, and
+    the scalars given as None here (e.g. an optimizer's learning rate), in argument order.
 
     On the driver path each device gets a parameter block of its own in which the fixed
     arguments are written once; a call rewrites the pointer and length of a per-call array only
@@ -278,7 +279,8 @@ class BoundLaunch:
     """
 
     def __init__(self, dispatcher, grid, block: int, smem: int, arrays, scalars):
-        """arrays: the kernel's array arguments, None at the positions given per call."""
+        """arrays: the kernel's array arguments, None at the positions given per call; scalars
+        likewise (a per-call scalar must keep the Python type, int or float, of the first call)."""
         self.dispatcher = dispatcher
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = block
@@ -286,6 +288,7 @@ class BoundLaunch:
         self.fixed = list(arrays)
         self.scalars = list(scalars)
         self.dyn = [i for i, a in enumerate(arrays) if a is None]
+        self.dyn_scalars = [j for j, v in enumerate(scalars) if v is None]
         self._state = {}
         self._lock = threading.Lock()
 
@@ -302,41 +305,57 @@ class BoundLaunch:
             full[i] = t
         return full
 
-    def _setup(self, idx, arrays, device):
+    def _full_scalars(self, scalars):
+        if not self.dyn_scalars:
+            return self.scalars
+        if len(scalars) != len(self.dyn_scalars):
+            raise ValueError(f"this launch takes {len(self.dyn_scalars)} scalars per call, got {len(scalars)}")
+        full = list(self.scalars)
+        for j, v in zip(self.dyn_scalars, scalars):
+            full[j] = v
+        return full
+
+    def _setup(self, idx, arrays, scalars, device):
         full = self._full(arrays)
-        k = _driver_kernel(self.dispatcher, idx, full, self.scalars, device)
-        slots, ptrs, params = _param_block(7 * len(full) + len(self.scalars))
+        full_s = self._full_scalars(scalars)
+        k = _driver_kernel(self.dispatcher, idx, full, full_s, device)
+        slots, ptrs, params = _param_block(7 * len(full) + len(full_s))
         for a, t in enumerate(full):
             slots[7 * a + 3] = slots[7 * a + 6] = t.element_size()
             if a not in self.dyn:
                 slots[7 * a + 2] = slots[7 * a + 5] = t.numel()
                 slots[7 * a + 4] = t.data_ptr()
-        for j, v in enumerate(self.scalars):
-            slots[7 * len(full) + j] = _scalar_bits(v)
+        for j, v in enumerate(full_s):
+            if j not in self.dyn_scalars:
+                slots[7 * len(full) + j] = _scalar_bits(v)
         block = min(self.block, k.max_threads)  # register-heavy variants: fewer threads, same result
         # per call: [slots, pointer array (kept alive), params, offsets of the per-call arrays,
-        # their last pointers and lengths, kernel handle, block, launch function, lock]
+        # their last pointers and lengths, kernel handle, block, launch function, lock, offsets
+        # of the per-call scalars, their last values]
         nd = len(self.dyn)
         st = [slots, ptrs, params, [7 * a for a in self.dyn], [None] * nd, [None] * nd,
-              k.fn, block, k._launch, threading.Lock()]
+              k.fn, block, k._launch, threading.Lock(), [7 * len(full) + j for j in self.dyn_scalars],
+              [None] * len(self.dyn_scalars)]
         with self._lock:
             self._state.setdefault(idx, st)
         return self._state[idx]
 
-    def __call__(self, arrays, device) -> None:
+    def __call__(self, arrays, device, scalars=()) -> None:
         mode = _mode or launch_mode()
         if mode != "driver":
-            return launch(self.dispatcher, self.grid, self.block, self.smem, self._full(arrays), self.scalars,
-                          device)
+            return launch(self.dispatcher, self.grid, self.block, self.smem, self._full(arrays),
+                          self._full_scalars(scalars), device)
         cur = _current_device()
         idx = device.index if device.index is not None else cur
         if idx != cur:
             with torch.cuda.device(idx):
-                return self(arrays, device)
+                return self(arrays, device, scalars)
         st = self._state.get(idx)
         if st is None:
-            st = self._setup(idx, arrays, device)
-        slots, _, params, offs, last_p, last_n, fn, block, launch_fn, lock = st
+            st = self._setup(idx, arrays, scalars, device)
+        slots, _, params, offs, last_p, last_n, fn, block, launch_fn, lock, soffs, last_s = st
+        if len(scalars) != len(soffs):
+            raise ValueError(f"this launch takes {len(soffs)} scalars per call, got {len(scalars)}")
         gx, gy, gz = self.grid
         with lock:
             j = 0
@@ -349,6 +368,12 @@ class BoundLaunch:
                     slots[o + 4] = p
                     last_p[j] = p
                     last_n[j] = n
+                j += 1
+            j = 0
+            for v in scalars:
+                if v != last_s[j]:
+                    slots[soffs[j]] = _scalar_bits(v)
+                    last_s[j] = v
                 j += 1
             err = launch_fn(fn, gx, gy, gz, block, 1, 1, self.smem, _raw_stream(idx), params, None)
         if err != 0:

@@ -331,8 +331,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             ntiles = -(-batch // kernels.WIDE)
             rows4 = _short_segments(topo, n_rows, nch)  # a row per lane group
             sums = mode if nsplit > 1 else None
-            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, sums == "atomic", has_bias, idx16,
-                                                 rows4=rows4, parts=sums == "parts")
+            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4)
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
             return _spmm_launch(kern, (nsplit, ntiles, gy), threads, smem,
                                 [_seg(topo, transposed, nch, cw), idx, third],
@@ -390,11 +389,12 @@ def _partial_target(y, sums, nparts: int, dev):
     return zero(target)
 
 
-def _finish_partial(y, target) -> None:
-    """y from `_partial_target`'s buffer: the parts summed in order, or the fp32 sum copied."""
+def _finish_partial(y, target, sums) -> None:
+    """y from `_partial_target(y, sums, ...)`'s buffer: the parts summed in order ("parts"), or
+    the fp32 sum copied ("atomic" into a buffer other than y)."""
     if target is y:
         return
-    if target.dim() > y.dim():
+    if sums == "parts":
         if y.dtype == torch.float32:
             torch.sum(target, 0, out=y)
         else:
@@ -419,7 +419,7 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
               dev)
     else:
         bound([x, values, target, values if bias is None else bias], dev)
-    _finish_partial(y, target)
+    _finish_partial(y, target, sums)
     return True
 
 
@@ -563,9 +563,9 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     bound([as_kernel_array(x), as_kernel_array(dy), kdv, as_kernel_array(acc), kdb,
            as_kernel_array(dbacc) if dbacc is not None else dummy_array(x.device)], x.device)
     if mode in ("atomic", "parts"):  # dv and db from the sums or the parts
-        _finish_partial(dv, acc)
+        _finish_partial(dv, acc, mode)
         if bias_grad:
-            _finish_partial(db, dbacc)
+            _finish_partial(db, dbacc, mode)
     return (dv, db) if bias_grad else dv
 
 
@@ -586,7 +586,7 @@ def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with
             rows4 = _sddmm_rows4(topo, nch, ntiles, threads, device)
             gy = _grid_rows(-(-n_out // 4) if rows4 else n_out, nch * ntiles, smem, device, threads, _WIDE_REGS)
             sums = mode if ntiles > 1 else None
-            kern = kernels.make_sddmm_wide_kernel(kind, with_db, rows4, sums == "atomic", sums == "parts")
+            kern = kernels.make_sddmm_wide_kernel(kind, with_db, rows4, sums)
             return _sddmm_launch(kern, (nch, gy, ntiles),
                                  threads, smem, [_seg(topo, False, nch, cw), topo.indices[1]],
                                  [n_out, n_in, batch, nch, cw], sums)
@@ -692,7 +692,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     else:
         bound([as_kernel_array(dy), as_kernel_array(values), as_kernel_array(target), as_kernel_array(x),
                as_kernel_array(dv), as_kernel_array(db)], dev)
-    _finish_partial(dx, target)
+    _finish_partial(dx, target, sums)
     return (dx, dv, db) if bias_grad else (dx, dv)
 
 
@@ -707,8 +707,7 @@ def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db
         return None
     nch, cw, cps, nsplit, gy, rpb, smem = wp
     sums = mode if nsplit > 1 else None
-    kern = kernels.make_spmm_wide_kernel(kind, True, sums == "atomic", False, idx.dtype == torch.uint16, True, with_db,
-                                         parts=sums == "parts")
+    kern = kernels.make_spmm_wide_kernel(kind, True, sums, False, idx.dtype == torch.uint16, True, with_db)
     return BoundLaunch(kern, (nsplit, 1, gy), threads, smem,
                        [None, _seg(topo, True, nch, cw), idx, None, perm, None, _kind_dummy(device, kind),
                         None, None, None], [n_rows, n_cols, batch, nch, cw, rpb, cps]), sums

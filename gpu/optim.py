@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from . import kernels
-from .launch import device_properties, launch, launch_mode
+from .launch import BoundLaunch, device_properties, launch_mode
 from .ops import dummy_array
 
 __all__ = ["adam_step", "adam_steps"]
@@ -63,6 +63,24 @@ def _check_hyper(lr, beta1, beta2, eps, weight_decay):
         raise ValueError(f"beta1 and beta2 must be in [0, 1), got {beta1} and {beta2}")
 
 
+# {(decoupled, n1, n2, inc, device): BoundLaunch} with the grid for n1 + n2 elements and the
+# hyper-parameters given per call: a step compares and rewrites only what changed since the last
+# one (grads are new tensors at every step), without a kernel lookup.
+_BOUND = {}
+
+
+def _bound(decoupled: bool, n1: int, n2: int, inc: int, dev) -> BoundLaunch:
+    key = (decoupled, n1, n2, inc, dev)
+    b = _BOUND.get(key)
+    if b is None:
+        threads = kernels.ADAM_THREADS if _GPU_ONLY else 32
+        n_sm = device_properties(dev)[0]
+        blocks = max(1, min(-(-(n1 + max(n2, 0)) // threads), n_sm * (2048 // threads)))
+        b = _BOUND[key] = BoundLaunch(kernels.make_adam_kernel(decoupled), (blocks, 1), threads, 0, [None] * 11,
+                                      [n1, n2, inc] + [None] * 7)
+    return b
+
+
 def _launch(sets, counter, inc, lr, beta1, beta2, eps, weight_decay, decoupled):
     """One launch over one or two (param, grad, exp_avg, exp_avg_sq, step) sets."""
     first = sets[0]
@@ -74,13 +92,13 @@ def _launch(sets, counter, inc, lr, beta1, beta2, eps, weight_decay, decoupled):
         second, n2 = (dummy_array(dev),) * 5, -1
     if counter is None:
         counter = dummy_array(dev, torch.int32)
-    threads = kernels.ADAM_THREADS if _GPU_ONLY else 32
-    n_sm = device_properties(dev)[0]
-    blocks = max(1, min(-(-(n1 + max(n2, 0)) // threads), n_sm * (2048 // threads)))
-    arrays = [t.view(-1) for t in first] + [t.view(-1) for t in second] + [counter.view(-1)]
-    lb = [math.log(b) if b > 0 else -math.inf for b in (float(beta1), float(beta2))]
-    launch(kernels.make_adam_kernel(bool(decoupled)), (blocks, 1), threads, 0, arrays,
-           [n1, n2, int(inc), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay)] + lb, dev)
+    arrays = [*first, *second, counter]
+    if not _GPU_ONLY:  # the simulator takes 1-D numpy views (the driver reads pointers and sizes)
+        arrays = [t.view(-1) for t in arrays]
+    b1, b2 = float(beta1), float(beta2)
+    _bound(bool(decoupled), n1, n2, int(inc), dev)(
+        arrays, dev, (float(lr), b1, b2, float(eps), float(weight_decay),
+                      math.log(b1) if b1 > 0 else -math.inf, math.log(b2) if b2 > 0 else -math.inf))
 
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

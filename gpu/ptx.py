@@ -24,8 +24,8 @@ def _sig(arrays, n_scalars):
     return tuple(tys + [types.int64] * n_scalars)
 
 
-# (atomic, parts): how a wide kernel adds partial results: written once, fp32 atomics, fp32 parts
-SUMS = ((False, False), (True, False), (False, True))
+# how a wide kernel adds partial results: written once, fp32 atomics, fp32 parts
+SUMS = (None, "atomic", "parts")
 
 
 def variants():
@@ -45,34 +45,34 @@ def variants():
                 d = kernels.make_sddmm_kernel(bt, kind, with_db)
                 out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 3)))
         for perm, bias in ((False, False), (True, False), (False, True)):
-            for atomic, parts in SUMS:
+            for sums in SUMS:
                 for rows4 in (False, True):
-                    d = kernels.make_spmm_wide_kernel(kind, perm, atomic, bias, rows4=rows4, parts=parts)
-                    yel = "float32" if atomic or parts else el
+                    d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4)
+                    yel = "float32" if sums else el
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "int32", el, "int32", yel, el, el, el, el], 7)))
-        for atomic, parts in SUMS:  # the fused backward (dX, dv and optionally db in one pass)
+        for sums in SUMS:  # the fused backward (dX, dv and optionally db in one pass)
             for with_db in (False, True):
                 for i16 in ((False, True) if kind == 0 else (False,)):
-                    d = kernels.make_spmm_wide_kernel(kind, True, atomic, False, i16, True, with_db, parts=parts)
+                    d = kernels.make_spmm_wide_kernel(kind, True, sums, False, i16, True, with_db)
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "uint16" if i16 else "int32", el, "int32",
-                                      "float32" if atomic or parts else el, el, el, el, el], 7)))
+                                      "float32" if sums else el, el, el, el, el], 7)))
         if kind == 0:  # the transposed SpMMs with a uint16 row index (same code, other index type)
             for bt in (1, 2, 4, 8):
                 for make in ((kernels.make_spmm_kernel,) + ((kernels.make_spmm_own_kernel,) if bt > 1 else ())):
                     d = make(bt, kind, True, False, True)
                     out.append((d.py_func.__name__, d, _sig([el, "int32", "uint16", el, "int32", el, el], 3)))
-            for atomic, parts in SUMS:
+            for sums in SUMS:
                 for rows4 in (False, True):
-                    d = kernels.make_spmm_wide_kernel(kind, True, atomic, False, True, rows4=rows4, parts=parts)
+                    d = kernels.make_spmm_wide_kernel(kind, True, sums, False, True, rows4=rows4)
                     out.append((d.py_func.__name__, d,
-                                _sig([el, "int32", "uint16", el, "int32", "float32" if atomic or parts else el, el,
+                                _sig([el, "int32", "uint16", el, "int32", "float32" if sums else el, el,
                                       el, el, el], 7)))
         for with_db in (False, True):
             for rows4 in (False, True):
-                for atomic, parts in SUMS:
-                    d = kernels.make_sddmm_wide_kernel(kind, with_db, rows4, atomic, parts)
+                for sums in SUMS:
+                    d = kernels.make_sddmm_wide_kernel(kind, with_db, rows4, sums)
                     out.append((d.py_func.__name__, d,
                                 _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))
     from numba import types

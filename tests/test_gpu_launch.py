@@ -4,6 +4,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from snack.gpu.launch import _DriverKernel
@@ -121,6 +122,24 @@ def test_bound_launch_writes_fixed_arguments_once_and_per_call_arrays_when_they_
         assert a[28] == 5 and a[29] == int(np.float64(2.5).view(np.int64))
         assert call["grid"] == (3, 2, 1) and call["block"] == (128, 1, 1)  # capped at the kernel's maximum
         assert call["smem"] == 100 and call["stream"] == 77
+
+
+def test_bound_launch_per_call_scalars(monkeypatch):
+    # scalars given as None are passed at every call (an optimizer's learning rate) and written
+    # when they change; the fixed ones stay; a wrong count is refused
+    from snack.gpu import launch as L
+    seen = []
+    x, c = torch.zeros(5), torch.zeros(2, dtype=torch.int32)
+    bound, k, disp = _bound_with_fake_driver(monkeypatch, [None, c], [7, None, 3, None], seen)
+    monkeypatch.setitem(L._driver_kernels, (id(disp), 0, x.dtype, c.dtype, x.dtype), k)
+    dev = torch.device("cuda", 0)
+    for lr, n in ((0.5, 11), (0.5, 11), (0.25, 12), (-1.0, 12)):
+        bound([x], dev, (lr, n))
+        a = seen[-1]["args"]
+        assert a[14:] == [7, int(np.float64(lr).view(np.int64)), 3, n]
+        assert a[4] == x.data_ptr() and a[7 + 4] == c.data_ptr()
+    with pytest.raises(ValueError, match="takes 2 scalars per call, got 1"):
+        bound([x], dev, (0.5,))
 
 
 def test_bound_launch_from_several_threads_keeps_each_calls_arrays(monkeypatch):

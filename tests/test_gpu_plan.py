@@ -128,10 +128,10 @@ def test_partial_target_and_finish_sum_the_parts_in_order():
     parts = ops._partial_target(y, "parts", 4, torch.device("cpu"))
     assert parts.shape == (4, 3, 5) and parts.dtype == torch.float32
     parts.copy_(torch.randn(4, 3, 5, dtype=torch.float64).float())
-    ops._finish_partial(y, parts)
+    ops._finish_partial(y, parts, "parts")
     ref = ((parts[0] + parts[1]) + parts[2]) + parts[3]
     assert torch.allclose(y.float(), ref, rtol=1e-3, atol=1e-3)
     y32 = torch.empty(3, 5)
-    ops._finish_partial(y32, parts)
+    ops._finish_partial(y32, parts, "parts")
     assert torch.allclose(y32, ref, rtol=1e-6, atol=1e-6)
     assert ops._partial_target(y32, None, 4, torch.device("cpu")) is y32

@@ -157,3 +157,27 @@ def test_gpu_dst_keeps_moments_of_survivors():
         assert bool((~surv_new).any())
         assert torch.equal(st["exp_avg"][surv_new], m_old[surv_old])
         assert bool((st["exp_avg"][~surv_new] == 0).all()) and bool((st["exp_avg_sq"][~surv_new] == 0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_gpu_follows_a_learning_rate_schedule_and_changed_hyper_parameters(name):
+    # the kernel launch takes the hyper-parameters at every step: a scheduler halving lr, then
+    # betas and weight decay changed by hand, give torch's results
+    a, b = _model("cuda"), _model("cuda")
+    oa = getattr(snack.optim, name)(a.parameters(), lr=0.02, weight_decay=0.01)
+    ob = getattr(torch.optim, name)(b.parameters(), lr=0.02, weight_decay=0.01)
+    sa, sb = (torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (oa, ob))
+    g = torch.Generator().manual_seed(5)
+    for i in range(6):
+        if i == 3:
+            for o in (oa, ob):
+                o.param_groups[0].update(betas=(0.8, 0.99), weight_decay=0.1)
+        x = torch.randn(7, 24, generator=g).cuda()
+        for m, o, s in ((a, oa, sa), (b, ob, sb)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+            s.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
