@@ -5,7 +5,7 @@
     sddmm(dy, x, topo, out=None)        dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
     sddmm(dy, x, topo, bias_grad=True)  (dv, db): also db (out,) = sum_b dY[b, :] (same launch)
     spmm_t_sddmm(dy, x, topo, values, bias_grad=False)   (dX, dv[, db]): the whole backward, one
-                                        fused launch where `fuses_backward` says so (16 <= B <= 32), else spmm_t and sddmm
+                                        fused launch where `fuses_backward` says so (16 <= B <= 32, density <= 25 %), else spmm_t and sddmm
 W is the (out, in) matrix of `topo` (a snack.core.Topology on the same device, canonical
 row-major) with `values` (nnz,) in that order. x, dy, values: float32, float16 or bfloat16, one
 dtype per call, on one CUDA device (CPU tensors under the Numba simulator); results have the
@@ -200,17 +200,24 @@ def _seg(topo: Topology, transposed: bool, nch: int, cw: int) -> torch.Tensor:
 
 
 # The transposed SpMM's index (the row of each entry in column-major order) as uint16 when W
-# has at most this many rows: 2 bytes per connection instead of 4 (4096 x 4096 at 90 %: 3.4 MB).
+# has at most this many rows: 2 bytes per connection instead of 4 (4096 x 4096 at 90 %: 3.4 MB);
+# and at most IDX16_MAX_DENSITY of its entries are non-zero: on dense-ish matrices the tiled
+# kernels read it more slowly. Measured on the H200 (4096 x 4096, dX graph medians, us, uint16
+# vs int32): 50 % density B = 1 / 2 / 4 / 8 42.8 / 43.3 / 44.7 / 51.2 vs 30.5 / 32.9 / 39.0 /
+# 51.0; 20 %: 12.7 / 13.1 / 16.0 / 22.0 vs 13.6 / 13.2 / 15.4 / 22.9; 10 % and 5 %: within 0.3.
 IDX16_MAX_ROWS = 65536
+IDX16_MAX_DENSITY = 0.25
 
 
 def _rows_by_col(topo: Topology) -> torch.Tensor:
-    """Topology.rows_by_col for the kernels: uint16 when W has <= IDX16_MAX_ROWS rows (the
-    int32 copy is then dropped from the topology's cache), else int32."""
+    """Topology.rows_by_col for the kernels: uint16 when W has <= IDX16_MAX_ROWS rows and a
+    density <= IDX16_MAX_DENSITY (the int32 copy is then dropped from the topology's cache),
+    else int32."""
     r = topo.cache.get("rows_by_col_u16")
     if r is not None:
         return r
-    if topo.shape[0] > IDX16_MAX_ROWS:
+    n_rows, n_cols = topo.shape
+    if n_rows > IDX16_MAX_ROWS or topo.nnz > IDX16_MAX_DENSITY * n_rows * n_cols:
         return topo.rows_by_col
     _perm32(topo)  # builds rows_by_col and col_ptr from the int64 permutation, then drops it
     r = topo.rows_by_col.to(torch.uint16)
@@ -629,7 +636,8 @@ def _sddmm_launch(kern, grid, threads, smem, index, scalars, mode):
 # ---- the fused backward ---------------------------------------------------------------------------
 # Batch sizes whose backward (dX, dv and db) runs as one pass of the fused wide kernel
 # (kernels.make_spmm_wide_kernel(fused=True)): FUSED_FROM_B <= B <= FUSED_MAX_B (one 32-column
-# batch tile: the kernel keeps no partial sums across tiles), on any matrix. Measured on the H200
+# batch tile: the kernel keeps no partial sums across tiles), on any matrix of density up to
+# FUSED_MAX_DENSITY (below). Measured on the H200
 # (graph medians, us, fused vs spmm_t + sddmm with db, each op's default kernel):
 # 4096 x 4096 at 90 %: B = 8 38.6 vs 28.2, B = 16 38.8 vs 46.2, B = 32 40.6 vs 46.6; at 99 %:
 # B = 8 15.9 vs 12.6, B = 16 16.4 vs 19.4, B = 32 18.4 vs 25.1. GPT-2's shapes at B = 16 / 32
@@ -641,17 +649,24 @@ def _sddmm_launch(kern, grid, threads, smem, index, scalars, mode):
 # Re-measured at 6f0f1fa, after the separate SDDMM got faster (rows4, batch tiles in the grid):
 # fused still wins at every point, 4096 x 4096 at 90 % B = 16 / 24 / 32 38.8 / 39.4 / 40.6 vs
 # 44.4 / 55.0 / 44.6, at 99 % 16.5 / 17.3 / 19.3 vs 19.3 / 25.6 / 20.6; GPT-2's shapes by 1-7 us.
+# But not on dense-ish matrices (at 63be895, 4096 x 4096, B = 16 / 32, fused vs separate, us):
+# 20 % density 66.5 / 69.0 vs 78.6 / 72.6; 30 % 111.3 / 115.4 vs 109.8 / 99.4; 50 % 234.2 /
+# 236.0 vs 166.1 / 149.3; 70 % 306.4 / 307.2 vs 224.3 / 199.1: fused up to FUSED_MAX_DENSITY.
 FUSED_FROM_B = 16
 FUSED_MAX_B = kernels.WIDE
+FUSED_MAX_DENSITY = 0.25
 
 
 def fuses_backward(batch: int, topo: Topology, fused: Optional[bool] = None) -> bool:
     """Whether spmm_t_sddmm computes a batch of `batch` rows with the fused kernel (else it
-    calls spmm_t and sddmm). fused=True asks for it wherever it applies (1 <= batch <= 32),
-    fused=False never."""
+    calls spmm_t and sddmm): from FUSED_FROM_B rows on matrices of density <= FUSED_MAX_DENSITY.
+    fused=True asks for it wherever it applies (1 <= batch <= 32), fused=False never."""
     if batch < 1 or batch > FUSED_MAX_B or topo.nnz == 0 or fused is False:
         return False
-    return bool(fused) or batch >= FUSED_FROM_B
+    if fused:
+        return True
+    n_out, n_in = topo.shape
+    return batch >= FUSED_FROM_B and topo.nnz <= FUSED_MAX_DENSITY * n_out * n_in
 
 
 def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torch.Tensor, *,

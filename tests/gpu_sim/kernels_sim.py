@@ -406,16 +406,18 @@ def test_half_precision_error_within_twice_torchs_own(dtype):
 
 def test_transposed_index_is_uint16_up_to_65536_rows(monkeypatch):
     # the transposed SpMM reads the rows of W's entries in column order as uint16 (the int32
-    # copy leaves the topology's cache); above IDX16_MAX_ROWS rows they stay int32
+    # copy leaves the topology's cache); above IDX16_MAX_ROWS rows, or above
+    # IDX16_MAX_DENSITY, they stay int32
     import snack.gpu.ops as ops
-    coo = COO.random((9, 13), density=0.4, seed=31)
+    assert ops._rows_by_col(COO.random((9, 13), density=0.4, seed=31).topology).dtype == torch.int32
+    coo = COO.random((9, 13), density=0.2, seed=31)
     t = coo.topology
     r = ops._rows_by_col(t)
     assert r.dtype == torch.uint16 and "rows_by_col" not in t.cache and "col_perm" not in t.cache
     assert torch.equal(r.to(torch.int64), coo.indices[0][torch.argsort(coo.indices[1] * 9 + coo.indices[0])].long())
     _check(coo, 3, torch.float32, seed=32)
     monkeypatch.setattr(ops, "IDX16_MAX_ROWS", 8)
-    coo2 = COO.random((9, 13), density=0.4, seed=31)
+    coo2 = COO.random((9, 13), density=0.2, seed=31)
     assert ops._rows_by_col(coo2.topology).dtype == torch.int32
     _check(coo2, 3, torch.float32, seed=32)
     _check(coo2, 33, torch.float32, seed=33, wide=True, chunks=2)
