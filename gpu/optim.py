@@ -149,4 +149,6 @@ def run_steps(sets, counter, lr, beta1, beta2, eps, weight_decay, decoupled) -> 
     """`adam_steps` without its checks, for callers that guarantee them (snack.optim, whose step
     checks every tensor already): sets is a list of (param, grad, exp_avg, exp_avg_sq, step)."""
     for j in range(-(-len(sets) // 2)):
-        _launch(sets[2 * j:2 * j + 2], counter[j:j + 1], 1, lr, beta1, beta2, eps, weight_decay, decoupled)
+        # launch j counts its blocks in counter[j] (the kernel uses element 0 of what it is given)
+        _launch(sets[2 * j:2 * j + 2], counter if j == 0 else counter[j:j + 1], 1, lr, beta1, beta2, eps,
+                weight_decay, decoupled)

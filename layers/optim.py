@@ -129,7 +129,9 @@ class _SnackAdamStep:
         for (_, dev), (group, params) in by_group.items():
             first = used.get(dev, 0)
             used[dev] = first + -(-len(params) // 2)
-            counter = self._counter(dev, used[dev])[first:]
+            counter = self._counter(dev, used[dev])
+            if first:  # (no view to make in the common case of one group per device)
+                counter = counter[first:]
             b1, b2 = group["betas"]
             sets = []
             for p in params:
