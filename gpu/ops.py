@@ -209,6 +209,12 @@ IDX16_MAX_ROWS = 65536
 IDX16_MAX_DENSITY = 0.25
 
 
+def _density(topo: Topology) -> float:
+    """The fraction of W's entries that are connections (0 for an empty shape)."""
+    n_rows, n_cols = topo.shape
+    return topo.nnz / max(1, n_rows * n_cols)
+
+
 def _rows_by_col(topo: Topology) -> torch.Tensor:
     """Topology.rows_by_col for the kernels: uint16 when W has <= IDX16_MAX_ROWS rows and a
     density <= IDX16_MAX_DENSITY (the int32 copy is then dropped from the topology's cache),
@@ -216,8 +222,7 @@ def _rows_by_col(topo: Topology) -> torch.Tensor:
     r = topo.cache.get("rows_by_col_u16")
     if r is not None:
         return r
-    n_rows, n_cols = topo.shape
-    if n_rows > IDX16_MAX_ROWS or topo.nnz > IDX16_MAX_DENSITY * n_rows * n_cols:
+    if topo.shape[0] > IDX16_MAX_ROWS or _density(topo) > IDX16_MAX_DENSITY:
         return topo.rows_by_col
     _perm32(topo)  # builds rows_by_col and col_ptr from the int64 permutation, then drops it
     r = topo.rows_by_col.to(torch.uint16)
@@ -270,11 +275,9 @@ def _use_wide(batch: int, wide: Optional[bool], op: str, topo: Topology) -> bool
     if wide is not None:
         return bool(wide)
     dense_from, any_from = WIDE_FROM[op]
-    n_rows, n_cols = topo.shape
-    density = topo.nnz / max(1, n_rows * n_cols)
     if op != "sddmm" and batch < WIDE_SMALL_BELOW_B and topo.nnz < WIDE_MIN_NNZ:
         return False
-    return batch >= any_from or (batch >= dense_from and density >= WIDE_DENSITY)
+    return batch >= any_from or (batch >= dense_from and _density(topo) >= WIDE_DENSITY)
 
 
 _NO_PLAN = object()
@@ -665,8 +668,7 @@ def fuses_backward(batch: int, topo: Topology, fused: Optional[bool] = None) -> 
         return False
     if fused:
         return True
-    n_out, n_in = topo.shape
-    return batch >= FUSED_FROM_B and topo.nnz <= FUSED_MAX_DENSITY * n_out * n_in
+    return batch >= FUSED_FROM_B and _density(topo) <= FUSED_MAX_DENSITY
 
 
 def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torch.Tensor, *,
