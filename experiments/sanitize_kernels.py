@@ -15,7 +15,8 @@ def main(sums=("atomic", "parts")):
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
     runs = [(mode, shape) for mode in sums
-            for shape in [(37, 53, 1, 0.3), (64, 29, 3, 0.2), (19, 77, 9, 0.5), (5, 40, 33, 0.9), (70, 11, 70, 0.1)]]
+            for shape in [(37, 53, 1, 0.3), (23, 41, 2, 0.2), (64, 29, 3, 0.2), (19, 77, 9, 0.5),
+                          (5, 40, 33, 0.9), (70, 11, 70, 0.1)]]
     for mode, (o, i, B, d) in runs:
         ops.PARTIAL_SUMS = mode
         for dt in (torch.float32, torch.float16, torch.bfloat16):

@@ -2,8 +2,8 @@
 
 Design ("per-SM batch tiling"). W is (n_rows x n_cols) in CSR order (row pointers, column index,
 value). The batch is cut into tiles of BT columns; a block owns one batch tile and a range of
-rows. It first stages its tile of the dense operand, transposed, in shared memory as
-xs[c * BT + j] = X[b0 + j, c] (fp32, whatever the input dtype), then each warp walks rows:
+rows. It first stages its tile of the dense operand in shared memory (fp32, whatever the input
+dtype) as xs[j * (n_cols | 1) + c] = X[b0 + j, c], then each warp walks rows:
  - the warp's 32 lanes form G = 32 / BT groups of BT lanes; lane (g, j) handles batch column
    b0 + j of the non-zeros k = base + g, base + g + G, ... of the row, so one row's non-zeros are
    streamed once per tile, 32 at a time with coalesced loads, and broadcast to the groups by
@@ -15,7 +15,9 @@ BT = 1 is the classic CSR-vector kernel (lanes over non-zeros) for B = 1.
 The lane-owned variant (`make_spmm_own_kernel`, the default for BT = 4 and 8) drops the groups:
 every lane owns its two non-zeros of a warp step and keeps BT accumulators, reading the BT
 staged values of its column; no shuffle per non-zero (the MIO pipe was the limit: ncu at 95 %,
-B = 8, had MIO throttle as the first stall reason), and a transposing butterfly per row.
+B = 8, had MIO throttle as the first stall reason), and a transposing butterfly per row. It
+stages the tile column by column (a column's BT values side by side, read with vector loads)
+except at BT = 2 and 4 on dense-ish matrices (`ops.OWN_COLS_MAX_DENSITY`).
 The transposed SpMM is the same kernel run on the column-sorted order (CSC of W = CSR of W^T),
 with the values read through the column permutation (`perm`), so no per-call gather.
 SDDMM uses the same staging; each group owns one non-zero at a time, multiplies its BT batch
@@ -289,14 +291,82 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False,
     return cuda.jit(spmm)
 
 
+def _make_stage_cols(BT, ld):
+    U = 8 // BT  # columns per thread per round: U * BT = 8 loads in flight
+    H = min(BT, 4)  # values per shared-memory store
+
+    @cuda.jit(device=True, inline=True)
+    def stage(xs, buf, x, b0, batch, n_cols, tid, nthreads):
+        """xs[_col_base(c, BT) ^ j] = X[b0 + j, c] (0 past the batch): column c's BT batch
+        values side by side (see _col_base), written with BT-wide shared-memory stores.
+
+        Fast path (whole batch tile, U columns in range): each thread loads U columns x BT rows
+        (8 values, coalesced per row) with no per-element test, then stores them; the tail and
+        a partial batch tile go element by element.
+        """
+        c = int32(tid)
+        nt = int32(nthreads)
+        if b0 + BT <= batch:
+            n32 = int32(n_cols)
+            g = int32(b0 * n_cols) + c
+            last = n32 - int32((U - 1) * nthreads)
+            up = int32(31 - (tid & 31))  # c + up: the warp's last lane (the loop is warp-uniform)
+            while c + up < last:
+                for u in range(U):
+                    for j in range(BT):
+                        buf[u * BT + j] = ld(x, uint32(g + int32(j * n32 + u * nt)))
+                _loads_before_stores()  # the loop is warp-uniform
+                for u in range(U):
+                    p = _col_base(c + int32(u * nt), BT)
+                    for h in range(0, BT, H):
+                        q = uint32(p ^ h)
+                        xs[q] = buf[u * BT + h]
+                        xs[q + 1] = buf[u * BT + h + 1]
+                        if BT >= 4:
+                            xs[q + 2] = buf[u * BT + h + 2]
+                            xs[q + 3] = buf[u * BT + h + 3]
+                c = int32(c + int32(U) * nt)
+                g = int32(g + int32(U) * nt)
+        while c < n_cols:
+            p = _col_base(c, BT)
+            for j in range(BT):
+                v = float32(0.0)
+                if b0 + j < batch:
+                    v = ld(x, (b0 + j) * n_cols + c)
+                xs[uint32(p ^ j)] = v
+            c += nt
+    return stage
+
+
+@cuda.jit(device=True, inline=True)
+def _col_base(c, bt):
+    """Where column c's BT staged values start in the lane-owned kernels' layout: c * BT, with
+    the two 4-value halves swapped when bit 2 of c is set for BT = 8 (batch column j of column c
+    sits at _col_base(c, BT) ^ j). A lane reads its non-zero's BT values with BT / 4 16-byte
+    reads (BT = 2: one 8-byte read); the 8 lanes of a quarter warp (a 16-byte read's unit of
+    bank conflicts) then land on 8 bank quads set by c mod 8 (c mod 4 alone for BT = 8 without
+    the swap), and a staging warp's 16-byte stores (consecutive columns) are conflict-free."""
+    if bt == 8:
+        return uint32((c << 3) | (c & 4))
+    elif bt == 4:
+        return uint32(c << 2)
+    return uint32(c << 1)
+
+
 @functools.lru_cache(maxsize=None)
-def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False, idx16: bool = False):
+def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False, idx16: bool = False,
+                         cols: bool = True):
     """The tiled SpMM of make_spmm_kernel (same signature, launch and shared memory) for BT in
     {2, 4, 8}, with lanes that own their non-zeros: each lane keeps BT accumulators (one per
     batch column of the tile) and multiplies its own two non-zeros of a warp step by the BT
     staged X values of their columns, so no shuffle broadcasts a non-zero; at the end of a row a
     transposing butterfly (BT - 1 + 5 - log2 BT shuffles) leaves the sum of batch column j in
     lanes j * 32 / BT, which write Y.
+    With `cols` the tile is staged column by column (`_col_base`): a non-zero's BT values are
+    one (BT = 2, 4) or two (BT = 8) vector reads, whose bank conflicts are set by the columns
+    mod 8. Without it, batch row by batch row with an odd stride (as make_spmm_kernel): BT
+    scalar reads per non-zero, nearly conflict-free when a row's consecutive non-zeros have
+    nearby columns (dense-ish rows), like random ones otherwise.
     """
     if bt not in (2, 4, 8):
         raise ValueError(f"batch tile must be 2, 4 or 8, got {bt}")
@@ -305,30 +375,35 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
     cv = _CONVERTERS[kind]
     load_step = _make_load_step(ld, has_perm)
     HAS_BIAS = has_bias
-    stage = _make_stage(BT, ld)
+    COLS = cols
+    stage_cols = _make_stage_cols(BT, ld)
+    stage_rows = _make_stage(BT, ld)
     # the butterfly stage that halves BT accumulators to `h` exchanges across lanes `off` apart
     OFF4 = 16                                      # 8 -> 4 (BT = 8 only)
     OFF2 = 16 if BT == 4 else 8                    # 4 -> 2
     OFF1 = 16 if BT == 2 else (8 if BT == 4 else 4)  # 2 -> 1; then plain halving below OFF1
 
     def spmm(x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch):
-        xs = cuda.shared.array(0, dtype=float32)
+        xs = cuda.shared.array(0, dtype=float32, alignment=16)
         buf = cuda.local.array(8, dtype=float32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         b0 = cuda.blockIdx.x * BT
+        lane = tid & 31
+        nwarps = nthreads >> 5
+        r = cuda.blockIdx.y * nwarps + (tid >> 5)
+        rstride = cuda.gridDim.y * nwarps
         stride = _row_count(n_cols)
         s1 = uint32(stride)
         s2 = uint32(2 * stride)
         s3 = uint32(3 * stride)
         s4 = uint32(4 * stride)
-        lane = tid & 31
-        nwarps = nthreads >> 5
-        r = cuda.blockIdx.y * nwarps + (tid >> 5)
-        rstride = cuda.gridDim.y * nwarps
         start, end = _bounds(ptr, r, r < n_rows)
         ca, va, cb, vb = load_step(idx, val, perm, start + lane, end)
-        stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
+        if COLS:
+            stage_cols(xs, buf, x, b0, batch, n_cols, tid, nthreads)
+        else:
+            stage_rows(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
         cuda.syncthreads()
         j = lane // OFF1
         while r < n_rows:
@@ -347,20 +422,44 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
             while base < end:
                 nb = base + 64
                 na, nva, nbb, nvb = load_step(idx, val, perm, nb + lane, end)
-                xa = uint32(ca)
-                xb = uint32(cb)
-                a0 += va * xs[xa] + vb * xs[xb]
-                a1 += va * xs[xa + s1] + vb * xs[xb + s1]
-                if BT >= 4:
-                    a2 += va * xs[xa + s2] + vb * xs[xb + s2]
-                    a3 += va * xs[xa + s3] + vb * xs[xb + s3]
-                if BT == 8:
-                    xa4 = xa + s4
-                    xb4 = xb + s4
-                    a4 += va * xs[xa4] + vb * xs[xb4]
-                    a5 += va * xs[xa4 + s1] + vb * xs[xb4 + s1]
-                    a6 += va * xs[xa4 + s2] + vb * xs[xb4 + s2]
-                    a7 += va * xs[xa4 + s3] + vb * xs[xb4 + s3]
+                if COLS:
+                    pa = _col_base(ca, BT)
+                    pb = _col_base(cb, BT)
+                    a0 += va * xs[pa]
+                    a1 += va * xs[pa + 1]
+                    a0 += vb * xs[pb]
+                    a1 += vb * xs[pb + 1]
+                    if BT >= 4:
+                        a2 += va * xs[pa + 2]
+                        a3 += va * xs[pa + 3]
+                        a2 += vb * xs[pb + 2]
+                        a3 += vb * xs[pb + 3]
+                    if BT == 8:
+                        qa = pa ^ 4
+                        qb = pb ^ 4
+                        a4 += va * xs[qa]
+                        a5 += va * xs[qa + 1]
+                        a6 += va * xs[qa + 2]
+                        a7 += va * xs[qa + 3]
+                        a4 += vb * xs[qb]
+                        a5 += vb * xs[qb + 1]
+                        a6 += vb * xs[qb + 2]
+                        a7 += vb * xs[qb + 3]
+                else:
+                    xa = uint32(ca)
+                    xb = uint32(cb)
+                    a0 += va * xs[xa] + vb * xs[xb]
+                    a1 += va * xs[xa + s1] + vb * xs[xb + s1]
+                    if BT >= 4:
+                        a2 += va * xs[xa + s2] + vb * xs[xb + s2]
+                        a3 += va * xs[xa + s3] + vb * xs[xb + s3]
+                    if BT == 8:
+                        xa4 = xa + s4
+                        xb4 = xb + s4
+                        a4 += va * xs[xa4] + vb * xs[xb4]
+                        a5 += va * xs[xa4 + s1] + vb * xs[xb4 + s1]
+                        a6 += va * xs[xa4 + s2] + vb * xs[xb4 + s2]
+                        a7 += va * xs[xa4 + s3] + vb * xs[xb4 + s3]
                 ca = na
                 va = nva
                 cb = nbb
@@ -393,7 +492,7 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
             r = rn
 
     spmm.__name__ = (f"snack_spmm_own_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}"
-                     f"{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}")
+                     f"{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}{'' if cols else '_rowstaged'}")
     return cuda.jit(spmm)
 
 

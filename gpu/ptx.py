@@ -37,8 +37,9 @@ def variants():
                 d = kernels.make_spmm_kernel(bt, kind, perm, bias)
                 out.append((d.py_func.__name__, d,
                             _sig([el, "int32", "int32", el, "int32", el, el], 3)))
-                if bt > 1:
-                    d = kernels.make_spmm_own_kernel(bt, kind, perm, bias)
+                # lane-owned: staged column by column, and (BT = 2, 4) batch row by batch row
+                for cols in ((True, False) if bt in (2, 4) else (True,)) if bt > 1 else ():
+                    d = kernels.make_spmm_own_kernel(bt, kind, perm, bias, cols=cols)
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "int32", el, "int32", el, el], 3)))
             for with_db in (False, True):

@@ -87,7 +87,7 @@ def test_tiled_kernels_float32(shape, B, density):
     _check(coo, B, torch.float32, seed=7)
 
 
-@pytest.mark.parametrize("B", [1, 2, 3, 8, 11])
+@pytest.mark.parametrize("B", [1, 2, 3, 4, 8, 11])
 def test_tiled_rows_of_several_steps_and_several_rows_per_warp(monkeypatch, B):
     # one block of 2 warps walks all rows (each warp takes every other row, requesting the next
     # row's non-zeros during the current one); rows of 150, 0, 64, 65, 1, 0 and 130 non-zeros:
@@ -112,6 +112,33 @@ def test_tiled_rows_of_several_steps_and_several_rows_per_warp(monkeypatch, B):
     dx = G.spmm_t(dy, t, v, out=torch.full((B, 300), float("nan")), **kw)
     assert _rel(y, spmm_reference(x.double(), t.indices, v.double(), 7)) < TOL[torch.float32]
     assert _rel(dx, spmm_t_reference(dy.double(), t.indices, v.double(), 300)) < TOL[torch.float32]
+    # the transposed SpMM staging 300 columns (its fast staging path at every tile width)
+    tt = COO(idx.flip(0), v, (300, 7)).topology
+    dy2 = torch.randn(B, 300, generator=g)
+    dx2 = G.spmm_t(dy2, tt, v, out=torch.full((B, 7), float("nan")), **kw)
+    assert _rel(dx2, spmm_t_reference(dy2.double(), tt.indices, v.double(), 7)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("B", [2, 4, 8])
+@pytest.mark.parametrize("max_density", [0.0, 1.0])
+def test_lane_owned_kernels_in_both_staging_layouts(monkeypatch, B, max_density):
+    # the lane-owned SpMMs stage their tile column by column (vector reads, BT = 8 always) or
+    # batch row by batch row (BT = 2, 4 above OWN_COLS_MAX_DENSITY): both layouts, forward and
+    # transposed, with the fast staging path (300 staged columns) and its tail
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "OWN_COLS_MAX_DENSITY", max_density)
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
+    monkeypatch.setattr(ops, "_THREADS", 64)
+    kw = dict(threads=64, wide=False)
+    for shape, seed in (((9, 300), 1), ((300, 9), 2)):
+        coo = COO.random(shape, density=0.3, seed=seed + B)
+        t, v = coo.topology, coo.values
+        g = torch.Generator().manual_seed(B)
+        x, dy = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g)
+        y = G.spmm(x, t, v, out=torch.full((B, shape[0]), float("nan")), **kw)
+        dx = G.spmm_t(dy, t, v, out=torch.full((B, shape[1]), float("nan")), **kw)
+        assert _rel(y, spmm_reference(x.double(), t.indices, v.double(), shape[0])) < TOL[torch.float32]
+        assert _rel(dx, spmm_t_reference(dy.double(), t.indices, v.double(), shape[1])) < TOL[torch.float32]
 
 
 def test_empty_rows_and_columns_and_unsorted_input():
