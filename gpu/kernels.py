@@ -353,7 +353,6 @@ def _col_base(c, bt):
     return uint32(c << 1)
 
 
-@functools.lru_cache(maxsize=None)
 def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False, idx16: bool = False,
                          cols: bool = True):
     """The tiled SpMM of make_spmm_kernel (same signature, launch and shared memory) for BT in
@@ -368,6 +367,12 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
     scalar reads per non-zero, nearly conflict-free when a row's consecutive non-zeros have
     nearby columns (dense-ish rows), like random ones otherwise.
     """
+    return _own_kernel(int(bt), int(kind), bool(has_perm), bool(has_bias), bool(idx16), bool(cols))
+
+
+@functools.lru_cache(maxsize=None)
+def _own_kernel(bt, kind, has_perm, has_bias, idx16, cols):
+    """make_spmm_own_kernel, cached on its arguments however they were passed."""
     if bt not in (2, 4, 8):
         raise ValueError(f"batch tile must be 2, 4 or 8, got {bt}")
     BT = bt
