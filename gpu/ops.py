@@ -19,7 +19,8 @@ is halved; if even BT = 1 does not fit (in > ~58000) the op falls back to torch 
 Blocks own a batch tile and a range of rows; the grid is sized to fill every SM once. The
 32-wide kernels (column chunks, conflict-free 16-byte shared-memory reads, one block per chunk
 with atomics across chunks by default) are taken where they measured faster (`WIDE_FROM`, `WIDE_DENSITY`, `WIDE_MIN_NNZ`: the
-SpMMs from B = 32 at >= 3 % density with >= 150 K non-zeros below B = 64, and from B = 96 at any;
+SpMMs from B = 32 (the transposed one from B = 17) at >= 3 % density with >= 150 K non-zeros below
+B = 64, and from B = 96 at any;
 the SDDMM from B = 16 at >= 3 % and from B = 32) or when asked (`wide=True`, `chunks=`,
 `split=`); their column chunks are as wide as shared memory allows, or at most
 `WIDE_CHUNK_COLS` columns for B <= 64 when several chunks are needed anyway; where rows hold
@@ -265,7 +266,11 @@ def dummy_array(device, dtype=torch.float32) -> torch.Tensor:
 # stages a whole chunk of X, a fixed cost that a small matrix does not pay back (H200, 90 %,
 # B = 32, forward tiled vs wide: 768 x 768 5.4 vs 9.0 us, 1024 x 1024 5.9 vs 10.5, 2304 x 768
 # (177 K non-zeros) 12.5 vs 10.1, 768 x 2304 9.3 vs 9.8, 2048 x 2048 (419 K) 16.3 vs 12.9).
-WIDE_FROM = {"spmm": (32, 96), "spmm_t": (32, 96), "sddmm": (16, 32)}
+# The transposed SpMM goes wide from B = 17, where the tiled one needs a third batch tile
+# (column-staged lane-owned kernels, bf3e7d9; dX tiled vs wide: 90 %, B = 16 23.2 vs 23.0,
+# B = 24 32.8 vs 23.7; 95 %, B = 16 16.7 vs 16.6, B = 24 22.1 vs 17.4; the forward stays tiled
+# to B = 31: 90 %, B = 24 20.8 vs 21.8).
+WIDE_FROM = {"spmm": (32, 96), "spmm_t": (17, 96), "sddmm": (16, 32)}
 WIDE_DENSITY = 0.03
 WIDE_MIN_NNZ = 150_000
 WIDE_SMALL_BELOW_B = 64
