@@ -13,7 +13,9 @@ inputs' dtype, accumulated in fp32. Launches go to torch's current stream (graph
 
 Variant choice: the batch tile BT is the smallest power of two >= B, at most 8; for BT = 4 and 8
 (and BT = 2 in the transposed SpMM, `LANE_OWNED_TILES`) each lane owns its non-zeros and keeps BT
-accumulators, otherwise a warp holds 32 / BT groups that stream different non-zeros of a row; the
+accumulators, reading a non-zero's BT staged values with vector loads (the tile staged column by
+column; batch row by batch row at BT = 2 and 4 above `OWN_COLS_MAX_DENSITY`), otherwise a warp
+holds 32 / BT groups that stream different non-zeros of a row; the
 shared-memory tile (in * BT * 4 bytes) must fit the block's limit (227 KB on H100/H200), else BT
 is halved; if even BT = 1 does not fit (in > ~58000) the op falls back to torch index ops.
 Blocks own a batch tile and a range of rows; the grid is sized to fill every SM once. The

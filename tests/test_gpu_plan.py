@@ -89,6 +89,32 @@ def test_tiled_kernel_variant_by_batch_tile(h200, transposed, batch, own):
     assert kern is maker(bt, 0, transposed, False, transposed)  # transposed: uint16 row index (50 rows)
 
 
+@pytest.mark.parametrize("transposed,batch,density,cols", [
+    (False, 4, 0.1, True), (False, 4, 0.25, True), (False, 4, 0.5, False), (False, 8, 0.1, True),
+    (False, 8, 0.5, True), (True, 2, 0.1, True), (True, 2, 0.5, False), (True, 3, 0.5, False),
+    (True, 8, 0.5, True)])
+def test_lane_owned_staging_layout_by_tile_and_density(h200, transposed, batch, density, cols):
+    # column-staged tiles (vector reads) at BT = 8, and at BT = 2 and 4 up to OWN_COLS_MAX_DENSITY;
+    # batch row by batch row above it
+    from snack.core import COO
+    from snack.gpu import kernels
+    topo = COO.random((50, 70), density=density, seed=1).topology
+    kern = ops._build_spmm_plan(topo, transposed, batch, 0, "cuda:0", None, 1024, False, None, None, False,
+                                "atomic")[0].dispatcher
+    assert ("_rowstaged" not in kern.py_func.__name__) == cols, kern.py_func.__name__
+    idx16 = transposed and density <= ops.IDX16_MAX_DENSITY
+    bt = min(8, 1 << (batch - 1).bit_length())
+    assert kern is kernels.make_spmm_own_kernel(bt, 0, transposed, False, idx16, cols=cols)
+
+
+def test_transposed_spmm_goes_wide_from_17_rows(h200):
+    from snack.core import COO
+    topo = COO.random((4096, 4096), density=0.1, seed=0).topology
+    assert [ops._use_wide(b, None, "spmm_t", topo) for b in (16, 17, 31)] == [False, True, True]
+    assert [ops._use_wide(b, None, "spmm", topo) for b in (17, 31, 32)] == [False, False, True]
+    assert not ops._use_wide(24, None, "spmm_t", COO.random((4096, 4096), density=0.01, seed=0).topology)
+
+
 def test_wide_sddmm_row_per_lane_group_for_short_segments_or_many_rows(h200, monkeypatch):
     from types import SimpleNamespace
 
