@@ -6,15 +6,17 @@ from __future__ import annotations
 import torch
 
 
-def main(sums=("atomic", "parts")):
-    """sums: the ways of adding the wide kernels' partial results to run (ops.PARTIAL_SUMS)."""
+def main(sums=("atomic", "parts"), tiled=False):
+    """sums: the ways of adding the wide kernels' partial results to run (ops.PARTIAL_SUMS);
+    tiled: only the batch-tiled kernels (every op forced off the 32-wide ones, no fused backward),
+    a shorter run."""
     import snack.gpu as G
     from snack.core import COO
     from snack.gpu import ops
     rows4_below, sddmm_rows4, partial_sums = ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4, ops.PARTIAL_SUMS
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
-    runs = [(mode, shape) for mode in sums
+    runs = [(mode, shape) for mode in (sums[:1] if tiled else sums)
             for shape in [(37, 53, 1, 0.3), (23, 41, 2, 0.2), (64, 29, 3, 0.2), (19, 77, 9, 0.5),
                           (5, 40, 33, 0.9), (70, 11, 70, 0.1)]]
     for mode, (o, i, B, d) in runs:
@@ -32,9 +34,11 @@ def main(sums=("atomic", "parts")):
             # the default variant, then the 32-wide kernels forced (one chunk per block with
             # atomics, and one block looping over small chunks) with a warp per row and with a
             # row per group of 8 lanes; the forward with and without bias
-            for opts in ({}, {"wide": True, "rows4": False}, {"wide": True, "rows4": True},
-                         {"wide": True, "chunks": 3, "split": 1, "rows4": False},
-                         {"wide": True, "chunks": 3, "split": 1, "rows4": True}):
+            variants = ({"wide": False},) if tiled else (
+                {}, {"wide": True, "rows4": False}, {"wide": True, "rows4": True},
+                {"wide": True, "chunks": 3, "split": 1, "rows4": False},
+                {"wide": True, "chunks": 3, "split": 1, "rows4": True})
+            for opts in variants:
                 opts = dict(opts)
                 r4 = opts.pop("rows4", None)
                 ops.WIDE_ROWS4_BELOW = rows4_below if r4 is None else (10 ** 9 if r4 else 0)
@@ -47,7 +51,7 @@ def main(sums=("atomic", "parts")):
                     worst = max(worst, e if dt == torch.float32 else e / 100)
                 dv, db = G.sddmm(dy, x, t, bias_grad=True, **sd)  # with the bias gradient
                 pairs = [(dv, dvref), (db, dy.double().sum(0))]
-                if B <= 32:  # the fused backward (dX, dv, db in one launch), same chunks and split
+                if B <= 32 and not tiled:  # the fused backward (dX, dv, db in one launch), same chunks and split
                     fk = {k: w for k, w in opts.items() if k != "wide"}
                     pairs += zip(G.spmm_t_sddmm(dy, x, t, v, bias_grad=True, fused=True, **fk),
                                  (dxref, dvref, dy.double().sum(0)))
@@ -94,4 +98,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sums", nargs="+", choices=["atomic", "parts"], default=["atomic", "parts"],
                     help="how the wide kernels add partial results (snack.gpu.ops.PARTIAL_SUMS); default both")
-    main(tuple(ap.parse_args().sums))
+    ap.add_argument("--tiled", action="store_true",
+                    help="only the batch-tiled kernels (and Adam): a shorter run for the sanitizers")
+    a = ap.parse_args()
+    main(tuple(a.sums), a.tiled)
