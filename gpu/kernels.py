@@ -20,9 +20,10 @@ stages the tile column by column (a column's BT values side by side, read with v
 except at BT = 2 and 4 on dense-ish matrices (`ops.OWN_COLS_MAX_DENSITY`).
 The transposed SpMM is the same kernel run on the column-sorted order (CSC of W = CSR of W^T),
 with the values read through the column permutation (`perm`), so no per-call gather.
-SDDMM uses the same staging; each group owns one non-zero at a time, multiplies its BT batch
-columns and reduces them with shuffles; batch tiles are visited by the same block in turn and
-accumulated in the output, so no atomics are needed and the result is deterministic.
+SDDMM uses the same staging (column by column as an option, `make_sddmm_kernel(cols=True)`);
+each lane owns a non-zero and takes the dot product of its column's BT staged values with the
+row's dY values, broadcast once per row into registers; batch tiles are visited by the same block
+in turn and accumulated in the output, so no atomics are needed and the result is deterministic.
 
 Arrays (all on the GPU, C-contiguous):
   x     (B, n_cols)  float32 / float16 / bfloat16 (passed as int16 bits)   dense operand
@@ -516,8 +517,7 @@ def _make_tile_out(cv):
     return tile_out
 
 
-@functools.lru_cache(maxsize=None)
-def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False):
+def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False, cols: bool = False):
     """dv[k] = sum_b dY[b, r_k] X[b, idx[k]] for the CSR rows r of W (and, `with_db`, the bias
     gradient db[r] = sum_b dY[b, r], from the dY values each row loads anyway).
 
@@ -528,17 +528,28 @@ def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False):
     Lanes own non-zeros (32 per warp step); the row's dY[b0:b0 + bt, r] is broadcast once per
     row into registers; the block visits the batch tiles in turn (re-staging X) and keeps the
     partial sums of earlier tiles in dvacc (same thread, same entry: no atomics, deterministic).
+    With `cols` (BT = 2, 4, 8) the tile is staged column by column as in the lane-owned SpMMs
+    (`_col_base`): a non-zero's BT values in one or two vector reads instead of BT scalar ones.
     """
+    return _sddmm_kernel(int(bt), int(kind), bool(with_db), bool(cols) and bt > 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _sddmm_kernel(bt, kind, with_db, cols):
+    """make_sddmm_kernel, cached on its arguments however they were passed."""
     _check_bt(bt)
     BT = bt
+    COLS = cols
+    H = min(BT, 4)  # values per vector read with COLS
     WITH_DB = with_db
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
-    stage = _make_stage(BT, ld)
+    stage_rows = _make_stage(BT, ld)
+    stage_cols = _make_stage_cols(BT, ld)
     tile_out = _make_tile_out(cv)
 
     def sddmm(x, dy, ptr, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch):
-        xs = cuda.shared.array(0, dtype=float32)
+        xs = cuda.shared.array(0, dtype=float32, alignment=16)
         ds = cuda.local.array(BT, dtype=float32)
         buf = cuda.local.array(8, dtype=float32)
         tid = cuda.threadIdx.x
@@ -551,7 +562,10 @@ def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False):
             b0 = tile * BT
             if tile > 0:
                 cuda.syncthreads()
-            stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
+            if COLS:
+                stage_cols(xs, buf, x, b0, batch, n_cols, tid, nthreads)
+            else:
+                stage_rows(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
             cuda.syncthreads()
             first = tile == 0
             last = tile == ntiles - 1
@@ -583,9 +597,19 @@ def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False):
                         cb = idx[uint32(kb)]
                     sa = float32(0.0)
                     sb = float32(0.0)
-                    for jj in range(BT):
-                        sa += ds[jj] * xs[uint32(jj * stride + ca)]
-                        sb += ds[jj] * xs[uint32(jj * stride + cb)]
+                    if COLS:
+                        pa = _col_base(ca, BT)
+                        pb = _col_base(cb, BT)
+                        for h in range(0, BT, H):
+                            qa = uint32(pa ^ h)
+                            qb = uint32(pb ^ h)
+                            for i in range(H):
+                                sa += ds[h + i] * xs[qa + i]
+                                sb += ds[h + i] * xs[qb + i]
+                    else:
+                        for jj in range(BT):
+                            sa += ds[jj] * xs[uint32(jj * stride + ca)]
+                            sb += ds[jj] * xs[uint32(jj * stride + cb)]
                     if ka < end:
                         tile_out(dv, dvacc, ka, sa, first, last)
                     if kb < end:
@@ -593,7 +617,7 @@ def make_sddmm_kernel(bt: int, kind: int, with_db: bool = False):
                     base += 64
                 r += rstride
 
-    sddmm.__name__ = f"snack_sddmm_bt{bt}_{KINDS[kind]}{'_db' if with_db else ''}"
+    sddmm.__name__ = f"snack_sddmm_bt{bt}_{KINDS[kind]}{'_db' if with_db else ''}{'_cols' if cols else ''}"
     return cuda.jit(sddmm)
 
 

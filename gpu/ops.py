@@ -341,6 +341,10 @@ LANE_OWNED_TILES = {False: (4, 8), True: (2, 4, 8)}
 # B = 4 at 90 % 7.47 -> 6.95 / 11.11 -> 10.49, 80 % 10.15 -> 9.52 / 16.02 -> 14.78, 70 % (dX)
 # 26.1 -> 32.3, 50 % 21.9 -> 32.6 / 39.0 -> 49.9; B = 2 (dX) within 1 % at 80-99 %.
 OWN_COLS_MAX_DENSITY = 0.25
+# The tiled SDDMM reads X like the lane-owned SpMMs (each lane a non-zero, BT values of its column)
+# and can stage it column by column too (kernels.make_sddmm_kernel(cols=True), same rule as
+# above). Off until measured on the GPU.
+SDDMM_COLUMN_STAGING = False
 
 
 def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias, mode):
@@ -624,7 +628,8 @@ def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with
         return None
     ntiles = -(-batch // tile)
     gy = _grid_rows(n_out, 1, smem, device, threads)
-    return _sddmm_launch(kernels.make_sddmm_kernel(tile, kind, with_db), (1, gy), threads, smem,
+    cols = SDDMM_COLUMN_STAGING and tile > 1 and (tile == 8 or _density(topo) <= OWN_COLS_MAX_DENSITY)
+    return _sddmm_launch(kernels.make_sddmm_kernel(tile, kind, with_db, cols), (1, gy), threads, smem,
                          [topo.row_ptr, topo.indices[1]], [n_out, n_in, batch], "acc" if ntiles > 1 else None)
 
 

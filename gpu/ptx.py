@@ -43,8 +43,10 @@ def variants():
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "int32", el, "int32", el, el], 3)))
             for with_db in (False, True):
-                d = kernels.make_sddmm_kernel(bt, kind, with_db)
-                out.append((d.py_func.__name__, d, _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 3)))
+                for cols in ((False, True) if bt > 1 else (False,)):
+                    d = kernels.make_sddmm_kernel(bt, kind, with_db, cols)
+                    out.append((d.py_func.__name__, d,
+                                _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 3)))
         for perm, bias in ((False, False), (True, False), (False, True)):
             for sums in SUMS:
                 for rows4 in (False, True):

@@ -141,6 +141,30 @@ def test_lane_owned_kernels_in_both_staging_layouts(monkeypatch, B, max_density)
         assert _rel(dx, spmm_t_reference(dy.double(), t.indices, v.double(), shape[1])) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("B", [2, 3, 8, 11])
+@pytest.mark.parametrize("cols", [False, True])
+def test_tiled_sddmm_in_both_staging_layouts(monkeypatch, B, cols):
+    # the tiled SDDMM with X staged batch row by batch row or column by column (vector reads),
+    # one batch tile or two (partial sums kept between tiles), with and without the bias gradient
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "SDDMM_COLUMN_STAGING", cols)
+    monkeypatch.setattr(ops, "OWN_COLS_MAX_DENSITY", 1.0)
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
+    for shape, seed in (((9, 300), 1), ((40, 9), 2)):
+        coo = COO.random(shape, density=0.3, seed=seed + B)
+        t = coo.topology
+        g = torch.Generator().manual_seed(B)
+        x, dy = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g)
+        dv = torch.full((coo.nnz,), float("nan"))
+        G.sddmm(dy, x, t, out=dv, threads=64, wide=False)
+        dv2, db = G.sddmm(dy, x, t, bias_grad=True, threads=64, wide=False)
+        kern = ops._sddmm_plan(t, B, 0, x.device, None, 64, False, None, True)[0].dispatcher
+        assert kern.py_func.__name__.endswith("_cols") == cols, kern.py_func.__name__
+        ref = sddmm_reference(dy.double(), x.double(), t.indices)
+        assert _rel(dv, ref) < TOL[torch.float32] and torch.equal(dv, dv2)
+        assert _rel(db, dy.double().sum(0)) < TOL[torch.float32]
+
+
 def test_empty_rows_and_columns_and_unsorted_input():
     # rows 1 and 3 and columns 0, 5 empty; given in shuffled order
     idx = torch.tensor([[4, 0, 2, 0, 4, 2], [1, 2, 3, 4, 6, 2]])
