@@ -139,23 +139,27 @@ def _half(lo, hi, up, off):
     return keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
 
 
-def _make_stage(BT, ld):
+def _make_stage(BT, ld, cols=False):
     U = max(1, 8 // BT)  # columns per thread per round: U * BT = 8 loads in flight
+    COLS = cols
+    H = min(BT, 4)  # values per shared-memory store with COLS
 
     @cuda.jit(device=True, inline=True)
     def stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads):
-        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy of BT rows.
+        """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy of BT rows; with
+        `cols` (BT >= 2) xs[_col_base(c, BT) ^ j] instead (stride unused): column c's BT batch
+        values side by side, written with BT-wide shared-memory stores.
 
         Fast path (whole batch tile, U columns in range): each thread loads U columns x BT rows
         (8 values, coalesced per row) with no per-element test, then stores them; the tail and
         a partial batch tile go element by element.
         """
         c = int32(tid)
+        nt = int32(nthreads)
         if b0 + BT <= batch:
             # 32-bit offsets, advanced by addition (Numba would compute every address in int64)
             n32 = int32(n_cols)
             s32 = int32(stride)
-            nt = int32(nthreads)
             g = int32(b0 * n_cols) + c
             last = n32 - int32((U - 1) * nthreads)
             up = int32(31 - (tid & 31))  # c + up: the warp's last lane (the loop is warp-uniform)
@@ -166,8 +170,18 @@ def _make_stage(BT, ld):
                         buf[u * BT + j] = ld(x, uint32(g + int32(j * n32 + u * nt)))
                 _loads_before_stores()  # the loop is warp-uniform
                 for u in range(U):
-                    for j in range(BT):
-                        xs[uint32(c + int32(j * s32 + u * nt))] = buf[u * BT + j]
+                    if COLS:
+                        p = _col_base(c + int32(u * nt), BT)
+                        for h in range(0, BT, H):
+                            q = uint32(p ^ h)
+                            xs[q] = buf[u * BT + h]
+                            xs[q + 1] = buf[u * BT + h + 1]
+                            if BT >= 4:
+                                xs[q + 2] = buf[u * BT + h + 2]
+                                xs[q + 3] = buf[u * BT + h + 3]
+                    else:
+                        for j in range(BT):
+                            xs[uint32(c + int32(j * s32 + u * nt))] = buf[u * BT + j]
                 c = int32(c + int32(U) * nt)
                 g = int32(g + int32(U) * nt)
         while c < n_cols:
@@ -175,8 +189,11 @@ def _make_stage(BT, ld):
                 v = float32(0.0)
                 if b0 + j < batch:
                     v = ld(x, (b0 + j) * n_cols + c)
-                xs[j * stride + c] = v
-            c += nthreads
+                if COLS:
+                    xs[uint32(_col_base(c, BT) ^ j)] = v
+                else:
+                    xs[j * stride + c] = v
+            c += nt
     return stage
 
 
@@ -292,53 +309,6 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False,
     return cuda.jit(spmm)
 
 
-def _make_stage_cols(BT, ld):
-    U = 8 // BT  # columns per thread per round: U * BT = 8 loads in flight
-    H = min(BT, 4)  # values per shared-memory store
-
-    @cuda.jit(device=True, inline=True)
-    def stage(xs, buf, x, b0, batch, n_cols, tid, nthreads):
-        """xs[_col_base(c, BT) ^ j] = X[b0 + j, c] (0 past the batch): column c's BT batch
-        values side by side (see _col_base), written with BT-wide shared-memory stores.
-
-        Fast path (whole batch tile, U columns in range): each thread loads U columns x BT rows
-        (8 values, coalesced per row) with no per-element test, then stores them; the tail and
-        a partial batch tile go element by element.
-        """
-        c = int32(tid)
-        nt = int32(nthreads)
-        if b0 + BT <= batch:
-            n32 = int32(n_cols)
-            g = int32(b0 * n_cols) + c
-            last = n32 - int32((U - 1) * nthreads)
-            up = int32(31 - (tid & 31))  # c + up: the warp's last lane (the loop is warp-uniform)
-            while c + up < last:
-                for u in range(U):
-                    for j in range(BT):
-                        buf[u * BT + j] = ld(x, uint32(g + int32(j * n32 + u * nt)))
-                _loads_before_stores()  # the loop is warp-uniform
-                for u in range(U):
-                    p = _col_base(c + int32(u * nt), BT)
-                    for h in range(0, BT, H):
-                        q = uint32(p ^ h)
-                        xs[q] = buf[u * BT + h]
-                        xs[q + 1] = buf[u * BT + h + 1]
-                        if BT >= 4:
-                            xs[q + 2] = buf[u * BT + h + 2]
-                            xs[q + 3] = buf[u * BT + h + 3]
-                c = int32(c + int32(U) * nt)
-                g = int32(g + int32(U) * nt)
-        while c < n_cols:
-            p = _col_base(c, BT)
-            for j in range(BT):
-                v = float32(0.0)
-                if b0 + j < batch:
-                    v = ld(x, (b0 + j) * n_cols + c)
-                xs[uint32(p ^ j)] = v
-            c += nt
-    return stage
-
-
 @cuda.jit(device=True, inline=True)
 def _col_base(c, bt):
     """Where column c's BT staged values start in the lane-owned kernels' layout: c * BT, with
@@ -382,8 +352,7 @@ def _own_kernel(bt, kind, has_perm, has_bias, idx16, cols):
     load_step = _make_load_step(ld, has_perm)
     HAS_BIAS = has_bias
     COLS = cols
-    stage_cols = _make_stage_cols(BT, ld)
-    stage_rows = _make_stage(BT, ld)
+    stage = _make_stage(BT, ld, cols)
     # the butterfly stage that halves BT accumulators to `h` exchanges across lanes `off` apart
     OFF4 = 16                                      # 8 -> 4 (BT = 8 only)
     OFF2 = 16 if BT == 4 else 8                    # 4 -> 2
@@ -406,10 +375,7 @@ def _own_kernel(bt, kind, has_perm, has_bias, idx16, cols):
         s4 = uint32(4 * stride)
         start, end = _bounds(ptr, r, r < n_rows)
         ca, va, cb, vb = load_step(idx, val, perm, start + lane, end)
-        if COLS:
-            stage_cols(xs, buf, x, b0, batch, n_cols, tid, nthreads)
-        else:
-            stage_rows(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
+        stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
         cuda.syncthreads()
         j = lane // OFF1
         while r < n_rows:
@@ -544,8 +510,7 @@ def _sddmm_kernel(bt, kind, with_db, cols):
     WITH_DB = with_db
     ld = _LOADERS[kind]
     cv = _CONVERTERS[kind]
-    stage_rows = _make_stage(BT, ld)
-    stage_cols = _make_stage_cols(BT, ld)
+    stage = _make_stage(BT, ld, cols)
     tile_out = _make_tile_out(cv)
 
     def sddmm(x, dy, ptr, idx, dv, dvacc, db, dbacc, n_rows, n_cols, batch):
@@ -562,10 +527,7 @@ def _sddmm_kernel(bt, kind, with_db, cols):
             b0 = tile * BT
             if tile > 0:
                 cuda.syncthreads()
-            if COLS:
-                stage_cols(xs, buf, x, b0, batch, n_cols, tid, nthreads)
-            else:
-                stage_rows(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
+            stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads)
             cuda.syncthreads()
             first = tile == 0
             last = tile == ntiles - 1

@@ -347,6 +347,12 @@ OWN_COLS_MAX_DENSITY = 0.25
 SDDMM_COLUMN_STAGING = False
 
 
+def _column_staged(tile: int, topo: Topology) -> bool:
+    """Whether a lane-owned tiled kernel of batch tile `tile` (2, 4 or 8) stages its tile column
+    by column (see OWN_COLS_MAX_DENSITY)."""
+    return tile == 8 or _density(topo) <= OWN_COLS_MAX_DENSITY
+
+
 def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias, mode):
     if transposed:
         n_rows, n_cols = topo.shape[1], topo.shape[0]
@@ -374,8 +380,8 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
     ntiles = -(-batch // tile)
     gy = _grid_rows(n_rows, ntiles, smem, device, threads)
     if tile in LANE_OWNED_TILES[transposed]:
-        cols = tile == 8 or _density(topo) <= OWN_COLS_MAX_DENSITY
-        kern = kernels.make_spmm_own_kernel(tile, kind, perm is not None, has_bias, idx16, cols)
+        kern = kernels.make_spmm_own_kernel(tile, kind, perm is not None, has_bias, idx16,
+                                            _column_staged(tile, topo))
     else:
         kern = kernels.make_spmm_kernel(tile, kind, perm is not None, has_bias, idx16)
     return _spmm_launch(kern, (ntiles, gy), threads, smem, [ptr, idx, third], [n_rows, n_cols, batch], None)
@@ -628,7 +634,7 @@ def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with
         return None
     ntiles = -(-batch // tile)
     gy = _grid_rows(n_out, 1, smem, device, threads)
-    cols = SDDMM_COLUMN_STAGING and tile > 1 and (tile == 8 or _density(topo) <= OWN_COLS_MAX_DENSITY)
+    cols = SDDMM_COLUMN_STAGING and tile > 1 and _column_staged(tile, topo)
     return _sddmm_launch(kernels.make_sddmm_kernel(tile, kind, with_db, cols), (1, gy), threads, smem,
                          [topo.row_ptr, topo.indices[1]], [n_out, n_in, batch], "acc" if ntiles > 1 else None)
 
