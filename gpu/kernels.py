@@ -20,7 +20,7 @@ stages the tile column by column (a column's BT values side by side, read with v
 except at BT = 2 and 4 on dense-ish matrices (`ops.OWN_COLS_MAX_DENSITY`).
 The transposed SpMM is the same kernel run on the column-sorted order (CSC of W = CSR of W^T),
 with the values read through the column permutation (`perm`), so no per-call gather.
-SDDMM uses the same staging (column by column as an option, `make_sddmm_kernel(cols=True)`);
+SDDMM uses the same staging (column by column on sparse matrices, `make_sddmm_kernel(cols=True)`);
 each lane owns a non-zero and takes the dot product of its column's BT staged values with the
 row's dY values, broadcast once per row into registers; batch tiles are visited by the same block
 in turn and accumulated in the output, so no atomics are needed and the result is deterministic.

@@ -14,7 +14,8 @@ inputs' dtype, accumulated in fp32. Launches go to torch's current stream (graph
 Variant choice: the batch tile BT is the smallest power of two >= B, at most 8; for BT = 4 and 8
 (and BT = 2 in the transposed SpMM, `LANE_OWNED_TILES`) each lane owns its non-zeros and keeps BT
 accumulators, reading a non-zero's BT staged values with vector loads (the tile staged column by
-column; batch row by batch row at BT = 2 and 4 above `OWN_COLS_MAX_DENSITY`), otherwise a warp
+column; batch row by batch row at BT = 2 and 4 above `OWN_COLS_MAX_DENSITY`, and in the tiled
+SDDMM at any BT above it), otherwise a warp
 holds 32 / BT groups that stream different non-zeros of a row; the
 shared-memory tile (in * BT * 4 bytes) must fit the block's limit (227 KB on H100/H200), else BT
 is halved; if even BT = 1 does not fit (in > ~58000) the op falls back to torch index ops.
@@ -342,15 +343,26 @@ LANE_OWNED_TILES = {False: (4, 8), True: (2, 4, 8)}
 # 26.1 -> 32.3, 50 % 21.9 -> 32.6 / 39.0 -> 49.9; B = 2 (dX) within 1 % at 80-99 %.
 OWN_COLS_MAX_DENSITY = 0.25
 # The tiled SDDMM reads X like the lane-owned SpMMs (each lane a non-zero, BT values of its column)
-# and can stage it column by column too (kernels.make_sddmm_kernel(cols=True), same rule as
-# above). Off until measured on the GPU.
-SDDMM_COLUMN_STAGING = False
+# and stages it column by column (kernels.make_sddmm_kernel(cols=True)) on matrices of density
+# <= OWN_COLS_MAX_DENSITY, whatever the tile (`_sddmm_column_staged`). Measured on the H200 at
+# c73f343 (4096 x 4096, with the bias gradient, graph medians, us, rows -> cols): 90 % B = 2 / 4 /
+# 8 / 12 7.04 -> 6.84, 8.97 -> 7.42, 12.93 -> 10.73, 26.04 -> 23.83; 95 % 5.35 -> 5.18,
+# 6.67 -> 5.84, 9.39 -> 8.23, 18.63 -> 17.36; 99 % B = 8 / 16 / 24 6.18 -> 5.81, 10.85 -> 10.18,
+# 15.64 -> 14.76; 75 % B = 4 / 8 14.53 -> 12.05, 21.89 -> 17.49, B = 12 53.3 -> 55.6; but at 50 %
+# B = 12 (two tiles of 8) 105.9 -> 119.5 and B = 8 38.5 -> 38.3: rows above the bound at any tile.
+SDDMM_COLUMN_STAGING = True
 
 
 def _column_staged(tile: int, topo: Topology) -> bool:
     """Whether a lane-owned tiled kernel of batch tile `tile` (2, 4 or 8) stages its tile column
     by column (see OWN_COLS_MAX_DENSITY)."""
     return tile == 8 or _density(topo) <= OWN_COLS_MAX_DENSITY
+
+
+def _sddmm_column_staged(tile: int, topo: Topology) -> bool:
+    """Whether the tiled SDDMM of batch tile `tile` stages X column by column (see
+    SDDMM_COLUMN_STAGING)."""
+    return SDDMM_COLUMN_STAGING and tile > 1 and _density(topo) <= OWN_COLS_MAX_DENSITY
 
 
 def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias, mode):
@@ -634,7 +646,7 @@ def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with
         return None
     ntiles = -(-batch // tile)
     gy = _grid_rows(n_out, 1, smem, device, threads)
-    cols = SDDMM_COLUMN_STAGING and tile > 1 and _column_staged(tile, topo)
+    cols = _sddmm_column_staged(tile, topo)
     return _sddmm_launch(kernels.make_sddmm_kernel(tile, kind, with_db, cols), (1, gy), threads, smem,
                          [topo.row_ptr, topo.indices[1]], [n_out, n_in, batch], "acc" if ntiles > 1 else None)
 

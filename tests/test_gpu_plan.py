@@ -163,3 +163,18 @@ def test_partial_target_and_finish_sum_the_parts_in_order():
     ops._finish_partial(y32, parts, "parts")
     assert torch.allclose(y32, ref, rtol=1e-6, atol=1e-6)
     assert ops._partial_target(y32, None, 4, torch.device("cpu")) is y32
+
+
+@pytest.mark.parametrize("batch,density,cols", [
+    (2, 0.1, True), (4, 0.25, True), (8, 0.1, True), (12, 0.05, True), (1, 0.1, False),
+    (4, 0.5, False), (8, 0.5, False), (12, 0.5, False)])
+def test_tiled_sddmm_staging_layout_by_density(h200, batch, density, cols):
+    # the tiled SDDMM stages X column by column up to OWN_COLS_MAX_DENSITY at every tile > 1,
+    # batch row by batch row above it (also at BT = 8, unlike the SpMMs)
+    from snack.core import COO
+    from snack.gpu import kernels
+    topo = COO.random((50, 70), density=density, seed=1).topology
+    kern = ops._build_sddmm_plan(topo, batch, 0, "cuda:0", None, 1024, False, None, True, "atomic")[0].dispatcher
+    assert kern.py_func.__name__.endswith("_cols") == cols, kern.py_func.__name__
+    bt = min(8, 1 << (batch - 1).bit_length())
+    assert kern is kernels.make_sddmm_kernel(bt, 0, True, cols)
