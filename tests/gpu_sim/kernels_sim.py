@@ -193,9 +193,14 @@ def test_no_nonzeros():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision(dtype):
-    coo = COO.random((5, 17), density=0.4, seed=5)
-    _check(coo, 3, dtype, seed=11)
+@pytest.mark.parametrize("shape,B,density", [
+    ((5, 17), 3, 0.4),     # tiles staged batch row by batch row (BT = 4 above 25% density)
+    ((9, 40), 8, 0.2),     # staged column by column (vector reads): SpMMs and SDDMM at BT = 8
+    ((6, 31), 2, 0.2),     # BT = 2 column-staged (transposed SpMM and SDDMM)
+])
+def test_half_precision(dtype, shape, B, density):
+    coo = COO.random(shape, density=density, seed=5)
+    _check(coo, B, dtype, seed=11)
 
 
 @pytest.fixture(params=["warp", "rows4"])
