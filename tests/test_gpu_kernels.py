@@ -171,6 +171,36 @@ def test_deterministic_mode_is_bit_identical_from_run_to_run(B, gen):
         torch.use_deterministic_algorithms(old)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,B,density", [
+    ((4096, 4096), 1, 0.1), ((4096, 4096), 8, 0.1), ((4096, 4096), 32, 0.1), ((4096, 4096), 128, 0.05),
+    ((4096, 4096), 12, 0.5), ((777, 1313), 5, 0.2), ((1313, 777), 40, 0.02)])
+def test_half_precision_within_twice_torchs_own_error(shape, B, density, dtype, gen):
+    # each op's relative error against float64 is at most twice that of torch's dense product
+    # at the same dtype on the same (rounded) inputs: x @ W^T, dY @ W and (dY^T X) at W's cells
+    import snack.gpu as G
+    from snack.core import COO
+    coo = COO.random(shape, density=density, generator=gen, device="cuda")
+    t, v = coo.topology, coo.values.to(dtype)
+    x = torch.randn(B, shape[1], generator=gen).to(dtype).cuda()
+    dy = torch.randn(B, shape[0], generator=gen).to(dtype).cuda()
+    w = torch.zeros(shape, dtype=dtype, device="cuda")
+    w[t.indices[0].long(), t.indices[1].long()] = v
+    r, c = t.indices[0].long(), t.indices[1].long()
+    wd, xd, dyd = w.double(), x.double(), dy.double()
+    cases = [("spmm", G.spmm(x, t, v), x @ w.T, xd @ wd.T),
+             ("spmm_t", G.spmm_t(dy, t, v), dy @ w, dyd @ wd),
+             ("sddmm", G.sddmm(dy, x, t), (dy.T @ x)[r, c], (dyd.T @ xd)[r, c])]
+
+    def rel(a, ref):
+        return ((a.double() - ref).norm() / ref.norm()).item()
+    for name, got, torch_res, ref in cases:
+        assert got.dtype == dtype and torch.isfinite(got).all(), name
+        ours, theirs = rel(got, ref), rel(torch_res, ref)
+        assert theirs > 0, name
+        assert ours <= 2 * theirs, (name, ours, theirs)
+
+
 def test_empty_rows_and_no_nonzeros(gen):
     from snack.core import COO
     idx = torch.tensor([[0, 0, 5, 9], [3, 7, 1, 7]])
