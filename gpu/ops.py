@@ -697,7 +697,17 @@ def _sddmm_launch(kern, grid, threads, smem, index, scalars, mode):
 # But not on dense-ish matrices (at 63be895, 4096 x 4096, B = 16 / 32, fused vs separate, us):
 # 20 % density 66.5 / 69.0 vs 78.6 / 72.6; 30 % 111.3 / 115.4 vs 109.8 / 99.4; 50 % 234.2 /
 # 236.0 vs 166.1 / 149.3; 70 % 306.4 / 307.2 vs 224.3 / 199.1: fused up to FUSED_MAX_DENSITY.
-FUSED_FROM_B = 16
+# From B = 9 since f03c0e6, where the separate tiled ops need two batch tiles of 8 (fused vs
+# separate with db, one stream, us, B = 8 / 9 / 12 / 15): 4096 x 4096 at 90 % 38.7 / 38.7 / 38.5 /
+# 39.0 vs 24.6 / 45.8 / 48.1 / 51.0, at 95 % 26.4 / 26.5 / 26.5 / 26.7 vs 18.2 / 31.5 / 33.8 /
+# 37.2, at 99 % 15.8 / 16.0 / 16.1 / 16.4 vs 12.0 / 19.8 / 22.0 / 24.8; 768 x 768 at 90 %
+# 11.8 / 12.1 / 11.9 / 11.8 vs 9.0 / 12.6 / 13.2 / 13.8; 3072 x 768 at 99 % 9.8 / 9.9 / 9.9 / 10.0
+# vs 8.6 / 12.0 / 12.6 / 13.2; 768 x 3072 at 90 % 12.5 / 12.6 / 12.8 / 12.9 vs 13.5 / 25.4 /
+# 27.1 / 29.2 (the one shape where fused also wins at B = 8). The layer's captured training step
+# (snack.optim.Adam, B = 9 / 12 / 15, FUSED_FROM_B 16 -> 9): 4096 x 4096 at 90 % 76.1 -> 67.9,
+# 78.7 -> 69.2, 81.4 -> 69.2; at 99 % 32.4 -> 29.1, 34.7 -> 29.5, 37.2 -> 29.6; 768 x 3072 at 90 %
+# 31.7 -> 27.2, 33.6 -> 27.6, 35.8 -> 28.2.
+FUSED_FROM_B = 9
 FUSED_MAX_B = kernels.WIDE
 FUSED_MAX_DENSITY = 0.25
 

@@ -267,7 +267,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
 
 def backward(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torch.Tensor, bias_grad: bool = False):
     """(dX, dv, db) (db None unless bias_grad) from one fused launch when dy's backend fuses the
-    backward for this batch and matrix (the GPU kernels from B = 16 to 32 on matrices up to 25%
+    backward for this batch and matrix (the GPU kernels from B = 9 to 32 on matrices up to 25%
     dense: `snack.gpu.fuses_backward`), else None: the caller then uses spmm_t and sddmm."""
     b = _backend(dy)
     if b.fuses_backward is None or topo.nnz == 0 or not b.fuses_backward(dy.shape[0], topo):

@@ -147,7 +147,7 @@ def test_needs_input_grad_skips_unneeded_ops(monkeypatch):
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_backward_takes_a_backends_fused_backward(monkeypatch, with_bias):
-    # a backend that fuses the backward (the GPU kernels from B = 16 to 32) gets one
+    # a backend that fuses the backward (the GPU kernels from B = 9 to 32) gets one
     # spmm_t_sddmm call instead of spmm_t and sddmm, and its results are the gradients
     idx, vals = _coo(9, 8, density=0.5, seed=3)
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)

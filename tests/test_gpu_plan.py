@@ -54,16 +54,16 @@ def test_wide_kernels_chosen_by_batch_density_and_size():
     assert ops._use_wide(8, True, "spmm", small) and not ops._use_wide(128, False, "spmm", big)
 
 
-def test_fused_backward_chosen_from_b16_to_b32_on_any_sparse_matrix():
+def test_fused_backward_chosen_from_b9_to_b32_on_any_sparse_matrix():
     from snack.core import COO
     big = COO.random((640, 640), density=0.2, seed=0).topology
     sparse_big = COO.random((4096, 4096), density=0.01, seed=0).topology  # 99 %: fused too
     small = COO.random((300, 300), density=0.02, seed=0).topology         # 1.8 K non-zeros too
     empty = COO.random((30, 30), density=0.0, seed=0).topology
-    for b in (16, 24, 32):
+    for b in (9, 12, 15, 16, 24, 32):
         assert ops.fuses_backward(b, big) and ops.fuses_backward(b, sparse_big) and ops.fuses_backward(b, small)
         assert not ops.fuses_backward(b, empty) and not ops.fuses_backward(b, big, fused=False)
-    for b in (0, 1, 8, 15, 33, 128):                              # tiled kernels win below 16
+    for b in (0, 1, 8, 33, 128):                                  # tiled kernels win up to 8
         assert not ops.fuses_backward(b, big) and not ops.fuses_backward(b, small)
     assert ops.fuses_backward(1, big, fused=True) and not ops.fuses_backward(33, big, fused=True)
     dense = COO.random((640, 640), density=0.4, seed=0).topology   # dense-ish: the separate ops win
