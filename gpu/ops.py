@@ -5,7 +5,7 @@
     sddmm(dy, x, topo, out=None)        dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
     sddmm(dy, x, topo, bias_grad=True)  (dv, db): also db (out,) = sum_b dY[b, :] (same launch)
     spmm_t_sddmm(dy, x, topo, values, bias_grad=False)   (dX, dv[, db]): the whole backward, one
-                                        fused launch where `fuses_backward` says so (16 <= B <= 32, density <= 25 %), else spmm_t and sddmm
+                                        fused launch where `fuses_backward` says so (9 <= B <= 32, density <= 25 %), else spmm_t and sddmm
 W is the (out, in) matrix of `topo` (a snack.core.Topology on the same device, canonical
 row-major) with `values` (nnz,) in that order. x, dy, values: float32, float16 or bfloat16, one
 dtype per call, on one CUDA device (CPU tensors under the Numba simulator); results have the
