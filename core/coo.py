@@ -190,6 +190,51 @@ class Topology:
             return self
         return Topology(self.indices.to(device), self.shape)
 
+    def refresh_from(self, new: "Topology") -> bool:
+        """Takes `new`'s pattern (same shape and nnz) into this topology's own arrays, in place.
+
+        Every cached tensor is rebuilt on `new` and copied into the existing tensor, so kernels
+        recorded in a CUDA graph (which keep the arrays' addresses) see the new pattern when
+        replayed; launch plans, which depend only on the shape and nnz, are kept. Returns False
+        and changes nothing when some cache entry cannot be rebuilt that way (an entry without a
+        registered rebuild, see `REBUILD`, or one whose shape or dtype would change); the caller
+        then uses `new` instead. All new arrays are built before the first copy.
+        """
+        if new.shape != self.shape or new.nnz != self.nnz or new.device != self.device:
+            return False
+        copies = []
+        for key, old in self.cache.items():
+            name = key if isinstance(key, str) else key[0]
+            if name not in REBUILD:
+                return False
+            rebuild = REBUILD[name]
+            if rebuild is None:  # independent of the pattern (a launch plan)
+                continue
+            if not isinstance(old, torch.Tensor):
+                return False
+            fresh = rebuild(new, key)
+            if fresh.shape != old.shape or fresh.dtype != old.dtype:
+                return False
+            copies.append((old, fresh))
+        if new.indices.data_ptr() != self.indices.data_ptr():  # a converted copy of the indices
+            if new.indices.dtype != self.indices.dtype:
+                return False
+            copies.append((self.indices, new.indices))
+        for old, fresh in copies:
+            old.copy_(fresh)
+        return True
+
+
+def _property(topo: Topology, key: str) -> torch.Tensor:
+    return getattr(topo, key)
+
+
+# How each kind of `Topology.cache` entry is rebuilt on another topology of the same shape and nnz
+# (`Topology.refresh_from`), by the entry's name (the key, or its first element for tuple keys):
+# a function (topology, key) -> tensor, or None for entries that do not depend on the pattern.
+# Backends register the entries they cache.
+REBUILD = {name: _property for name in ("row_ptr", "col_perm", "col_ptr", "rows_by_col", "cols_by_col")}
+
 
 class COO:
     """A sparse matrix of shape (rows, cols) stored as (indices, values), canonical row-major.

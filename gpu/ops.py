@@ -46,7 +46,7 @@ from typing import Optional
 
 import torch
 
-from snack.core.coo import Topology
+from snack.core.coo import REBUILD, Topology
 from . import kernels
 from .launch import BoundLaunch, as_kernel_array, device_properties, launch_mode, zero
 
@@ -246,6 +246,14 @@ def _perm32(topo: Topology) -> torch.Tensor:
         topo.cache.pop("col_perm", None)
     return p
 
+
+# Refreshing a topology in place after its pattern changed (Topology.refresh_from, so that a
+# captured CUDA graph replays the new pattern): the arrays these ops cache are rebuilt, the launch
+# plans kept (they depend only on the shape and nnz and hold the arrays by address).
+REBUILD.update({"seg": lambda t, key: _seg(t, *key[1:]),
+                "rows_by_col_u16": lambda t, key: _rows_by_col(t),
+                "col_perm_i32": lambda t, key: _perm32(t),
+                "spmm_plan": None, "sddmm_plan": None, "fused_plan": None})
 
 _dummies = {}
 

@@ -18,7 +18,11 @@ yet, no usable GPU) or that declares `supports(dtype) == False` (e.g. float64) i
 keyed (weakly, by identity) by the tensor and checked against its version counter, storage pointer and the shape: validation (range,
 duplicates, row-major order: one sort and a host sync) happens only when the indices change,
 so a steady-state call costs a few attribute reads and no device work, which keeps it usable
-inside `torch.cuda.graph` capture (build the topology with one call before capturing).
+inside `torch.cuda.graph` capture (build the topology with one call before capturing). When the
+same tensor is changed in place (dynamic sparse training) keeping its nnz, the rebuilt pattern is
+copied into the old topology's arrays (`Topology.refresh_from`): kernels recorded in a CUDA graph
+keep those arrays' addresses, so a graph captured before the change replays the new pattern once
+`get_topology` has run (`snack.dst` calls it right after each update).
 Trade-off: an in-place change of the indices that bypasses the version counter (writing
 through `.data` or from outside torch) is not seen; change indices with ordinary in-place ops.
 """
@@ -80,6 +84,11 @@ def get_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
     if cached is not None and cached[1] == key and cached[0]() is indices:
         return cached[2]
     topo = _build_topology(indices, shape)
+    if cached is not None and cached[0]() is indices and cached[1][1:] == key[1:] \
+            and cached[2].refresh_from(topo):
+        # the same tensor changed in place (dynamic sparse training): the old topology's arrays
+        # take the new pattern, so CUDA graphs captured with them replay the new pattern
+        topo = cached[2]
     ref = weakref.ref(indices, lambda r, tid=tid: _forget(tid, r))
     _TOPOLOGIES[tid] = (ref, key, topo)
     return topo

@@ -16,11 +16,15 @@ by `drop_scores` (lowest first) and grows as many new ones at coordinates it doe
   and output gradient dY (B, out), captured by a forward hook on update steps only. The (out, in)
   grid is scored in tiles of at most `grad_block_numel` entries (default 2**21, 8 MB in float32),
   taking the top-k of each tile and merging, so the extra memory of an update is
-  O(grad_block_numel + nnz) plus the captured activations, never O(out * in);
+  O(grad_block_numel + nnz) plus the captured activations, never O(out * in). In a model
+  compiled by torch.compile the hook does nothing on other steps and runs eagerly on update
+  steps (a graph break there, so `fullgraph=True` works with SET only);
 - the new canonical indices are written into `layer.indices` in place (the topology cache sees
   the version change), values in place with regrown entries at exactly 0, and every (nnz,)
   optimizer state tensor and `values.grad` are permuted in place: survivors keep their moments,
   regrown entries start at 0, a pruned entry's state is discarded.
+  The layer's topology is rebuilt right away, into its existing arrays (`Topology.refresh_from`),
+  so a training step captured in a CUDA graph before the update replays the new pattern.
 Trade-off: tensors keep their shape and address (CUDA-graph friendly, optimizers untouched), but
 the re-sort costs O(nnz log nnz) and RigL recomputes the full dense-gradient product
 (B * out * in multiply-adds) tile by tile on every update step, as RigL itself does.
@@ -39,6 +43,7 @@ import torch.nn as nn
 
 from snack.core.topology import sample_distinct
 
+from . import backend
 from .linear import SparseLinear
 
 __all__ = ["DynamicSparseTraining", "SET", "RigL", "LayerUpdate", "UpdateSummary",
@@ -265,6 +270,17 @@ class DynamicSparseTraining:
 
     # ---- schedule -----------------------------------------------------------------------------
     @property
+    def _step(self) -> int:
+        return self._t
+
+    @_step.setter
+    def _step(self, t: int) -> None:
+        # the hooks read one flag that changes only around update steps, not the step count:
+        # under torch.compile a guard on the count would recompile the model at every step
+        self._t = t
+        self._capture_next = self.is_update_step(t + 1)
+
+    @property
     def num_steps(self) -> int:
         """How many times `step()` has been called (restored by load_state_dict)."""
         return self._step
@@ -344,8 +360,13 @@ class DynamicSparseTraining:
     # ---- gradient capture (RigL) --------------------------------------------------------------
     def _capture(self, module: SparseLinear, inputs, output) -> None:
         # a forward hook: keeps X and (through a hook on the output) dY, on update steps only
-        if not self.is_update_step(self._step + 1):
-            return
+        if self._capture_next:
+            self._keep(module, inputs, output)
+
+    @torch.compiler.disable
+    def _keep(self, module: SparseLinear, inputs, output) -> None:
+        # eager even in a compiled model (a graph break on update steps only): traced, the hook
+        # on the output cannot be captured and the growing record lists would force recompiles
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
             return
         x = inputs[0].detach().reshape(-1, module.in_features)
@@ -446,6 +467,9 @@ class DynamicSparseTraining:
 
         new_idx = torch.stack([merged // in_f, merged % in_f]).to(layer.indices.dtype)
         layer.indices.copy_(new_idx)            # bumps the version: the topology is rebuilt
+        # now, not at the next eager call: its arrays take the new pattern in place, so a training
+        # step captured in a CUDA graph replays the new pattern
+        backend.get_topology(layer.indices, (layer.out_features, in_f))
         values = layer.values
         values.copy_(remap(values.detach()))
         if values.grad is not None and values.grad.shape == (nnz,):

@@ -161,6 +161,26 @@ def test_set_drops_smallest_by_sign_and_grows_free_coordinates():
     assert all(0 <= k < 40 * 30 for k in grown)
 
 
+def test_update_rebuilds_topology_right_away(monkeypatch):
+    """The topology is rebuilt at the update itself, not at the next eager call: a replayed CUDA
+    graph runs no Python, so it only sees a pattern already written into the topology's arrays."""
+    from snack.layers import backend
+    layer = SparseLinear(40, 30, sparsity=0.7)
+    layer(torch.randn(2, 40))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = SET(layer, opt, update_every=1, drop_fraction=0.3, decay="constant", seed=0)
+    builds = []
+    real = backend._build_topology
+    monkeypatch.setattr(backend, "_build_topology", lambda *a: builds.append(1) or real(*a))
+    dst.step()
+    assert len(builds) == 1
+    monkeypatch.setattr(backend, "_build_topology", None)   # no build may happen from here on
+    topo = backend.get_topology(layer.indices, (30, 40))
+    assert torch.equal(topo.indices, layer.indices)
+    counts = torch.bincount(layer.indices[0].long(), minlength=30)
+    assert torch.equal(topo.row_ptr[1:].long(), counts.cumsum(0))
+
+
 @pytest.mark.parametrize("block", [2**21, 20, 5])
 def test_rigl_drops_smallest_and_grows_largest_dense_gradient(block):
     model = _mlp(seed=3, sizes=(13, 7, 6), sparsity=0.6)
@@ -508,3 +528,47 @@ def test_cuda_matches_cpu_pattern(cls):
         runs.append([l.indices.cpu() for l in _sparse(model)])
     if cls is SET:   # RigL's float32 gradients may differ in the last bits between devices
         assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_captured_before_update_replays_new_pattern():
+    """A training step captured in a CUDA graph, then SET updates between replays: each replay
+    computes with the current pattern (the same loss and gradients as an eager step)."""
+    torch.manual_seed(3)
+    layer = SparseLinear(700, 900, sparsity=0.9, device="cuda")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = SET(layer, opt, update_every=1, drop_fraction=0.3, decay="constant", seed=1)
+    x = torch.randn(32, 700, device="cuda")
+    t = torch.randn(32, 900, device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = F.mse_loss(layer(x), t)
+        loss.backward()
+        return loss
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_loss = step()
+    for _ in range(3):
+        with torch.no_grad():
+            layer.values.normal_()            # SET drops by magnitude: a new pattern each time
+        old = layer.indices.clone()
+        dst.step()
+        assert not torch.equal(old, layer.indices)
+        static_loss.fill_(float("nan"))
+        layer.values.grad.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        got_loss, got_grad = static_loss.clone(), layer.values.grad.clone()
+        w = layer.to_dense().detach().double().requires_grad_()
+        ref = F.mse_loss(F.linear(x.double(), w, layer.bias.detach().double()), t.double())
+        ref.backward()
+        idx = layer.indices.long()
+        torch.testing.assert_close(got_loss.double(), ref.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got_grad.double(), w.grad[idx[0], idx[1]], rtol=1e-4, atol=1e-7)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import snack
 import snack.functional
-from snack.core import canonicalize, uniform_indices
+from snack.core import Topology, canonicalize, uniform_indices
 from snack.layers import backend
 from snack.layers.functional import sparse_linear
 
@@ -246,6 +246,65 @@ def test_topology_cached_and_rebuilt_on_change(monkeypatch):
     idx.copy_(idx.flip(1))
     with pytest.raises(ValueError, match="row-major"):
         sparse_linear(x, idx, new_vals, 10)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_topology_refreshed_in_place_when_indices_change(index_dtype):
+    """An in-place change of the indices (same nnz) rebuilds the pattern into the old topology's
+    own arrays (what a captured CUDA graph holds by address), the GPU ops' arrays included;
+    launch plans are kept."""
+    from snack.gpu import ops
+    shape = (14, 23)
+    idx, _ = _coo(*shape, density=0.2, seed=3)
+    idx = idx.to(index_dtype)
+    topo = backend.get_topology(idx, shape)
+
+    def fill(t):  # every array the backends cache, a launch plan too
+        _ = t.row_ptr, t.col_ptr, t.rows_by_col, t.cols_by_col, t.col_perm
+        ops._seg(t, False, 3, 8), ops._seg(t, True, 2, 7)
+        ops._perm32(t), ops._rows_by_col(t)
+    fill(topo)
+    plan = topo.cache[("spmm_plan", False, 4)] = object()
+    arrays = {k: v for k, v in topo.cache.items() if isinstance(v, torch.Tensor)}
+    assert arrays["rows_by_col_u16"].dtype == torch.uint16 and ("seg", True, 2, 7) in arrays
+    ptrs = {k: v.data_ptr() for k, v in arrays.items()}
+    before = {k: v.clone() for k, v in arrays.items()}
+    idx_ptr = topo.indices.data_ptr()
+
+    new_idx, _ = _coo(*shape, nnz=idx.shape[1], seed=4)
+    idx.copy_(new_idx)
+    assert backend.get_topology(idx, shape) is topo
+    fresh = Topology(new_idx.to(torch.int32), shape)
+    fill(fresh)
+    assert topo.indices.data_ptr() == idx_ptr and torch.equal(topo.indices, new_idx.to(torch.int32))
+    assert topo.cache[("spmm_plan", False, 4)] is plan
+    changed = 0
+    for k, v in arrays.items():
+        assert topo.cache[k] is v and v.data_ptr() == ptrs[k], k
+        assert torch.equal(v.to(torch.int64), fresh.cache[k].to(torch.int64)), k
+        changed += not torch.equal(v.to(torch.int64), before[k].to(torch.int64))
+    assert changed >= len(arrays) - 1
+    # results follow the new pattern
+    x = torch.randn(3, shape[1], dtype=torch.float64)
+    vals = torch.randn(idx.shape[1], dtype=torch.float64)
+    torch.testing.assert_close(sparse_linear(x, idx, vals, shape[0]),
+                               x @ _dense(new_idx, vals, *shape).t(), atol=F64_ATOL, rtol=0)
+
+
+def test_topology_not_refreshable_is_replaced():
+    """A cache entry without a registered rebuild (here the CPU backend's numpy arrays): the old
+    topology is left as it was and a new one takes the new pattern."""
+    shape = (9, 11)
+    idx, _ = _coo(*shape, density=0.3, seed=5)
+    topo = backend.get_topology(idx, shape)
+    _ = topo.row_ptr
+    topo.cache["unknown_entry"] = [1, 2]
+    old_ptr = topo.row_ptr.clone()
+    new_idx, _ = _coo(*shape, nnz=idx.shape[1], seed=6)
+    idx.copy_(new_idx)
+    t2 = backend.get_topology(idx, shape)
+    assert t2 is not topo and torch.equal(topo.row_ptr, old_ptr)
+    assert torch.equal(t2.row_ptr, Topology(new_idx.to(torch.int32), shape).row_ptr)
 
 
 def test_topology_cache_does_not_keep_indices_alive():

@@ -412,6 +412,56 @@ def test_fused_backward_matches_float64_eager_and_captured(B, bias):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("B", [1, 8, 12, 32, 128])
+def test_cuda_graph_replays_pattern_changed_in_place(B):
+    """Forward and backward captured in a CUDA graph, then the indices rewritten in place (same
+    nnz, as dynamic sparse training does) and the topology rebuilt with one get_topology call:
+    the replay computes with the new pattern (output and gradients against float64), through
+    every kernel family (tiled B = 1 / 8, fused backward B = 12 / 32, wide kernels B = 32 / 128)."""
+    from snack.core import uniform_indices
+    from snack.layers.backend import get_topology
+    torch.manual_seed(17)
+    layer = SparseLinear(1000, 1700, sparsity=0.9, device="cuda")
+    x = torch.randn(B, 1000, device="cuda", requires_grad=True)
+    dy = torch.randn(B, 1700, device="cuda")
+    out = []
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = layer(x)
+        y.backward(dy)
+        return y
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.append(step())
+    got = [out[0], x.grad, layer.values.grad, layer.bias.grad]
+    topo = get_topology(layer.indices, (1700, 1000))
+    for seed in (1, 2):
+        new_idx = uniform_indices((1700, 1000), nnz=layer.nnz, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            layer.indices.copy_(new_idx.to(layer.indices))
+            layer.values.normal_()
+        assert get_topology(layer.indices, (1700, 1000)) is topo
+        for t in got:
+            t.detach().fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        w = layer.to_dense().detach().double()
+        xd = x.detach().double()
+        want = [xd @ w.T + layer.bias.detach().double(), dy.double() @ w,
+                (dy.double().T @ xd)[tuple(layer.indices.long())], dy.double().sum(0)]
+        for name, a, b in zip(("y", "dx", "dv", "db"), got, want):
+            assert ((a.double() - b).norm() / b.norm()).item() < 1e-5, (name, seed)
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_autocast(dtype):
     torch.manual_seed(11)
