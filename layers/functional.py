@@ -8,7 +8,10 @@ where the GPU backend fuses the backward (B <= 32 on the 32-wide kernels) dX, dv
 one launch)
 so nothing of the dense weight's size (out x in) is allocated, in forward or in backward.
 When no gradient is wanted (torch.no_grad, or nothing requires grad) the forward runs without
-the autograd Function, saving its host overhead on every inference call.
+the autograd Function, saving its host overhead on every inference call. While torch.compile
+traces it, the op is `torch.ops.snack.sparse_linear` instead (layers/library.py: the same backend
+code as custom ops with fake implementations and the same autograd formula), so a model compiles
+into one graph.
 Inputs of any leading shape are flattened to (B, in) (a copy only if they are not contiguous).
 Under torch.autocast the inputs are cast like nn.Linear's: to the autocast dtype (fp16/bf16) on
 CUDA; on CPU the math runs in float32 and the result is returned in the autocast dtype.
@@ -23,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from . import backend
+from . import backend, library
 from snack.core import Topology
 
 __all__ = ["sparse_linear", "SparseLinearFunction"]
@@ -50,23 +53,29 @@ class SparseLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, values = ctx.saved_tensors
-        topo = ctx.topo
-        dy = dy.contiguous()
-        dx = dv = db = None
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
-        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
-            fused = backend.backward(dy, x, topo, values, need_db)
-            if fused is not None:
-                return fused + (None,)
-            if dy.is_cuda and torch.cuda.is_current_stream_capturing():
-                return _backward_two_branches(dy, x, values, topo, need_db)
-        if ctx.needs_input_grad[0]:
-            dx = backend.spmm_t(dy, topo, values)
-        if ctx.needs_input_grad[1]:
-            dv, db = _values_grad(dy, x, topo, need_db)
-        elif need_db:
-            db = _bias_grad(dy)
-        return dx, dv, db, None
+        return gradients(dy.contiguous(), x, values, ctx.topo, ctx.needs_input_grad[0],
+                         ctx.needs_input_grad[1], need_db) + (None,)
+
+
+def gradients(dy, x, values, topo, need_dx: bool, need_dv: bool, need_db: bool):
+    """(dX, dv, db) of Y = X W^T + b for dy (B, out) contiguous, None where not needed: one
+    fused launch where the backend has one, else spmm_t and the SDDMM (two branches of the graph
+    under CUDA-graph capture). x may be None when dv is not needed, values when dX is not."""
+    dx = dv = db = None
+    if need_dx and need_dv:
+        fused = backend.backward(dy, x, topo, values, need_db)
+        if fused is not None:
+            return fused
+        if dy.is_cuda and torch.cuda.is_current_stream_capturing():
+            return _backward_two_branches(dy, x, values, topo, need_db)
+    if need_dx:
+        dx = backend.spmm_t(dy, topo, values)
+    if need_dv:
+        dv, db = _values_grad(dy, x, topo, need_db)
+    elif need_db:
+        db = _bias_grad(dy)
+    return dx, dv, db
 
 
 def _values_grad(dy, x, topo, need_db):
@@ -98,7 +107,7 @@ def _backward_two_branches(dy, x, values, topo, need_db):
     dv.record_stream(cur)
     if db is not None:
         db.record_stream(cur)
-    return dx, dv, db, None
+    return dx, dv, db
 
 
 # A float32 vector of ones per CUDA device for the bias gradient, grown by doubling and never
@@ -209,16 +218,21 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
     if bias is not None and bias.dtype != x.dtype:
         raise TypeError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
 
-    topo = backend.get_topology(indices, (out_features, in_f))
+    compiling = torch.compiler.is_compiling()
+    topo = None if compiling else backend.get_topology(indices, (out_features, in_f))
     flat = x.dim() != 2
     x2 = x.reshape(math.prod(x.shape[:-1]), in_f) if flat else x
     if not x2.is_contiguous():
         x2 = x2.contiguous()
+    apply = _apply
+    if compiling:  # traced: the custom op (the topology is looked up when the op runs)
+        def apply(x2, values, bias, _):
+            return library.sparse_linear_op(x2, indices, values, bias, out_features)
     if autocast:
         with torch.autocast(dev_type, enabled=False):
-            y = _apply(x2, values, bias, topo)
+            y = apply(x2, values, bias, topo)
     else:
-        y = _apply(x2, values, bias, topo)
+        y = apply(x2, values, bias, topo)
     if flat:
         y = y.reshape(*x.shape[:-1], out_features)
     return y.to(result_dtype) if result_dtype is not None else y
