@@ -19,13 +19,15 @@ mismatch is caught at start-up by a self-check against the dispatcher path (see 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
 import numpy as np
 import torch
 
-__all__ = ["launch_mode", "launch", "BoundLaunch", "zero", "as_kernel_array", "device_properties"]
+__all__ = ["launch_mode", "launch", "BoundLaunch", "zero", "as_kernel_array", "device_properties",
+           "persistent_allocations"]
 
 _SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 _lock = threading.Lock()
@@ -55,6 +57,34 @@ def as_kernel_array(t: torch.Tensor) -> torch.Tensor:
     if _SIM:
         t = t.reshape(-1)
     return t
+
+
+_build_streams = {}
+
+
+@contextlib.contextmanager
+def persistent_allocations(device):
+    """Within the block, CUDA tensors meant to be kept across calls (a topology's arrays, launch
+    plans' buffers, dummy arguments) come from torch's ordinary allocator, not from a CUDA-graph
+    pool: torch.compile's CUDA-graph trees route the current stream's allocations to their pool
+    while they warm a graph up, and refuse pool memory that outlives the graph's outputs. The
+    block runs on a side stream of its own (which waits for the current stream, and which the
+    current stream then waits for). During stream capture nothing changes: the capture's pool
+    takes every stream of the capture."""
+    device = torch.device(device)
+    if _SIM or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    cur = torch.cuda.current_stream(device)
+    side = _build_streams.get(device)
+    if side is None:
+        side = _build_streams[device] = torch.cuda.Stream(device)
+    side.wait_stream(cur)
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        cur.wait_stream(side)
 
 
 _props_cache = {}

@@ -48,7 +48,8 @@ import torch
 
 from snack.core.coo import REBUILD, Topology
 from . import kernels
-from .launch import BoundLaunch, as_kernel_array, device_properties, launch_mode, zero
+from .launch import (BoundLaunch, as_kernel_array, device_properties, launch_mode, persistent_allocations,
+                     zero)
 
 __all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "choose_tile", "wide_chunks", "WIDE_FROM",
            "WIDE_DENSITY"]
@@ -264,7 +265,8 @@ def dummy_array(device, dtype=torch.float32) -> torch.Tensor:
     argument back after the kernel)."""
     d = _dummies.get((device, dtype))
     if d is None:
-        d = _dummies[(device, dtype)] = torch.zeros(1, dtype=dtype, device=device)
+        with persistent_allocations(device):
+            d = _dummies[(device, dtype)] = torch.zeros(1, dtype=dtype, device=device)
     return d
 
 
@@ -304,7 +306,8 @@ def _cached_plan(topo, key, build, *args):
     fits)."""
     plan = topo.cache.get(key, _NO_PLAN)
     if plan is _NO_PLAN:
-        plan = topo.cache[key] = build(topo, *args)
+        with persistent_allocations(topo.device):  # the arrays it builds outlive any graph
+            plan = topo.cache[key] = build(topo, *args)
     return plan
 
 

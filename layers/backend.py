@@ -83,7 +83,8 @@ def get_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
     cached = _TOPOLOGIES.get(tid)
     if cached is not None and cached[1] == key and cached[0]() is indices:
         return cached[2]
-    topo = _build_topology(indices, shape)
+    with _persistent(indices):
+        topo = _build_topology(indices, shape)
     if cached is not None and cached[0]() is indices and cached[1][1:] == key[1:] \
             and cached[2].refresh_from(topo):
         # the same tensor changed in place (dynamic sparse training): the old topology's arrays
@@ -92,6 +93,14 @@ def get_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
     ref = weakref.ref(indices, lambda r, tid=tid: _forget(tid, r))
     _TOPOLOGIES[tid] = (ref, key, topo)
     return topo
+
+
+def _persistent(t: torch.Tensor):
+    """For a CUDA tensor, snack.gpu's `persistent_allocations` (what is cached stays out of any
+    CUDA-graph pool); else nothing."""
+    if t.is_cuda and _load("cuda") is not _REFERENCE:
+        return importlib.import_module("snack.gpu.launch").persistent_allocations(t.device)
+    return contextlib.nullcontext()
 
 
 def _build_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
