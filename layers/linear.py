@@ -41,6 +41,16 @@ def _check_sparsity(sparsity) -> float:
     return float(sparsity)
 
 
+def _static_address(indices: torch.Tensor) -> torch.Tensor:
+    """Marks `indices` as an input whose address stays fixed from call to call, as
+    `torch._dynamo.mark_static_address(indices)` does (without importing torch._dynamo): a model
+    compiled with CUDA graphs (mode="reduce-overhead") then hands the buffer itself to the op,
+    whose topology is cached on that tensor, instead of a copy refreshed at every replay (which
+    would rebuild the topology, with a host sync, at every call). Returns `indices`."""
+    indices._dynamo_static_input_type = "unguarded"
+    return indices
+
+
 class SparseLinear(nn.Module):
     """y = x @ W.T + b with W (out_features, in_features) sparse: only nnz connections stored.
 
@@ -87,7 +97,7 @@ class SparseLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.values = nn.Parameter(values)
-        self.register_buffer("indices", indices.to(INDEX_DTYPE).contiguous())
+        self.register_buffer("indices", _static_address(indices.to(INDEX_DTYPE).contiguous()))
         if bias is not None:
             self.bias = nn.Parameter(bias)
         else:
@@ -144,7 +154,10 @@ class SparseLinear(nn.Module):
             if t is idx and isinstance(out, torch.Tensor) and out.dtype != idx.dtype:
                 out = idx.to(device=out.device)
             return out
-        return super()._apply(keep_indices_int32, recurse)
+        out = super()._apply(keep_indices_int32, recurse)
+        if self._buffers.get("indices") is not None:
+            _static_address(self._buffers["indices"])
+        return out
 
     # ---- conversion ----------------------------------------------------------------------------
     @classmethod
