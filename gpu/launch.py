@@ -19,7 +19,6 @@ mismatch is caught at start-up by a self-check against the dispatcher path (see 
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 __all__ = ["launch_mode", "launch", "BoundLaunch", "zero", "as_kernel_array", "device_properties",
-           "persistent_allocations"]
+           "build_persistent"]
 
 _SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 _lock = threading.Lock()
@@ -60,29 +59,37 @@ def as_kernel_array(t: torch.Tensor) -> torch.Tensor:
 
 
 _build_streams = {}
+_builder = None
 
 
-@contextlib.contextmanager
-def persistent_allocations(device):
-    """Within the block, CUDA tensors meant to be kept across calls (a topology's arrays, launch
-    plans' buffers, dummy arguments) come from torch's ordinary allocator, not from a CUDA-graph
-    pool: torch.compile's CUDA-graph trees route the current stream's allocations to their pool
-    while they warm a graph up, and refuse pool memory that outlives the graph's outputs. The
-    block runs on a side stream of its own (which waits for the current stream, and which the
-    current stream then waits for). During stream capture nothing changes: the capture's pool
-    takes every stream of the capture."""
+def build_persistent(device, fn, /, *args, **kwargs):
+    """fn(*args, **kwargs), for a function that builds CUDA tensors meant to be kept across calls (a
+    topology's arrays, launch plans' arrays, dummy arguments), so that they come from torch's
+    ordinary allocator and never from a CUDA-graph pool: torch.compile's CUDA-graph trees route
+    every allocation of the thread that warms a graph up to their pool, and refuse pool memory
+    that outlives the graph's outputs. fn runs on a worker thread of its own, on a side stream
+    that first waits for the caller's current stream and that the caller's stream then waits
+    for; its exceptions reach the caller. Under stream capture (where building anything would be
+    captured) and off the GPU fn runs in place."""
+    global _builder
     device = torch.device(device)
     if _SIM or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        yield
-        return
+        return fn(*args, **kwargs)
+    with _lock:
+        if _builder is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snack-build")
+        side = _build_streams.get(device)
+        if side is None:
+            side = _build_streams[device] = torch.cuda.Stream(device)
     cur = torch.cuda.current_stream(device)
-    side = _build_streams.get(device)
-    if side is None:
-        side = _build_streams[device] = torch.cuda.Stream(device)
     side.wait_stream(cur)
+
+    def work():
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            return fn(*args, **kwargs)
     try:
-        with torch.cuda.stream(side):
-            yield
+        return _builder.submit(work).result()
     finally:
         cur.wait_stream(side)
 

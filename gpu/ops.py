@@ -48,7 +48,7 @@ import torch
 
 from snack.core.coo import REBUILD, Topology
 from . import kernels
-from .launch import (BoundLaunch, as_kernel_array, device_properties, launch_mode, persistent_allocations,
+from .launch import (BoundLaunch, as_kernel_array, device_properties, launch_mode, build_persistent,
                      zero)
 
 __all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "choose_tile", "wide_chunks", "WIDE_FROM",
@@ -265,8 +265,7 @@ def dummy_array(device, dtype=torch.float32) -> torch.Tensor:
     argument back after the kernel)."""
     d = _dummies.get((device, dtype))
     if d is None:
-        with persistent_allocations(device):
-            d = _dummies[(device, dtype)] = torch.zeros(1, dtype=dtype, device=device)
+        d = _dummies[(device, dtype)] = build_persistent(device, torch.zeros, 1, dtype=dtype, device=device)
     return d
 
 
@@ -306,8 +305,8 @@ def _cached_plan(topo, key, build, *args):
     fits)."""
     plan = topo.cache.get(key, _NO_PLAN)
     if plan is _NO_PLAN:
-        with persistent_allocations(topo.device):  # the arrays it builds outlive any graph
-            plan = topo.cache[key] = build(topo, *args)
+        # the arrays it builds outlive any CUDA graph: outside the graphs' pools
+        plan = topo.cache[key] = build_persistent(topo.device, build, topo, *args)
     return plan
 
 

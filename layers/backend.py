@@ -83,8 +83,7 @@ def get_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
     cached = _TOPOLOGIES.get(tid)
     if cached is not None and cached[1] == key and cached[0]() is indices:
         return cached[2]
-    with _persistent(indices):
-        topo = _build_topology(indices, shape)
+    topo = _build_persistent(indices, _build_topology, indices, shape)
     if cached is not None and cached[0]() is indices and cached[1][1:] == key[1:] \
             and cached[2].refresh_from(topo):
         # the same tensor changed in place (dynamic sparse training): the old topology's arrays
@@ -95,12 +94,12 @@ def get_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
     return topo
 
 
-def _persistent(t: torch.Tensor):
-    """For a CUDA tensor, snack.gpu's `persistent_allocations` (what is cached stays out of any
-    CUDA-graph pool); else nothing."""
+def _build_persistent(t: torch.Tensor, fn, /, *args, **kwargs):
+    """fn(*args, **kwargs) through snack.gpu's `build_persistent` for a CUDA tensor t (what it builds is
+    kept across calls and must stay out of any CUDA-graph pool), else in place."""
     if t.is_cuda and _load("cuda") is not _REFERENCE:
-        return importlib.import_module("snack.gpu.launch").persistent_allocations(t.device)
-    return contextlib.nullcontext()
+        return importlib.import_module("snack.gpu.launch").build_persistent(t.device, fn, *args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 def _build_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:

@@ -126,8 +126,8 @@ def _bias_grad(dy: torch.Tensor) -> torch.Tensor:
     ones = _ONES.get(dy.device)
     if ones is None or ones.numel() < n:
         size = max(n, 64 if ones is None else 2 * ones.numel())
-        with backend._persistent(dy):
-            ones = _ONES[dy.device] = torch.ones(size, dtype=torch.float32, device=dy.device)
+        ones = _ONES[dy.device] = backend._build_persistent(dy, torch.ones, size, dtype=torch.float32,
+                                                            device=dy.device)
         _ONES_KEPT.append(ones)
     return torch.mv(dy.t(), ones[:n])
 
