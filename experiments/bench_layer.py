@@ -22,10 +22,7 @@ timed with triton.testing.do_bench_cudagraph, median: GPU time), peak memory of 
 (torch.cuda.max_memory_allocated above what was allocated before the layer was built: weights,
 gradients, Adam state, input, output and temporaries; cuBLAS's one-off workspace is allocated
 before any method runs) and energy per step (NVML's total-energy
-counter across replays of the captured step for >= --energy_seconds); with --compiled also the
-eager time of the step with the layer compiled by torch.compile(backend="cudagraphs") (its
-forward and backward replayed as CUDA graphs from eager code, the optimizer step eager: what a
-user's compiled model costs per step). Every replayed graph is
+counter across replays of the captured step for >= --energy_seconds). Every replayed graph is
 checked first: its output is poisoned with NaN, the graph replayed, the output compared.
 Writes a tidy CSV (one row per method x phase x B, with the GPU, versions, git commit, the
 backend SNACK ran on, every figure and ratios vs dense and vs Dense+Mask; > 1 means SNACK
@@ -81,10 +78,6 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", default="adam", choices=["adam", "adam-fused", "snack-adam"],
                    help="the training step's optimizer, the same for every method: torch.optim.Adam "
                         "with its default (foreach) implementation, or fused=True, or snack.optim.Adam")
-    p.add_argument("--compiled", action="store_true",
-                   help="also time each step with the layer compiled by torch.compile(backend="
-                        "'cudagraphs') (forward and backward replayed as CUDA graphs, the optimizer "
-                        "step eager), called as a user calls it: column compiled_us")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small layer, few repeats: a smoke test")
     p.add_argument("--out", default=None, help="CSV path (default results/bench_layer[_cpu].csv)")
@@ -284,28 +277,6 @@ def energy_per_step(g, handle, seconds: float) -> tuple:
     return (e1 - e0) / n, (e1 - e0) / 1e3 / (t1 - t0)
 
 
-def compiled_us(model: nn.Module, phase: str, x, dy, opt, args) -> tuple:
-    """(eager time of the step with `model` compiled by torch.compile(backend='cudagraphs'), check):
-    the compiled forward (and backward) run as CUDA graphs, the rest of the step as it is. The
-    check compares the compiled forward's output with the eager one's."""
-    import torch._dynamo
-    torch._dynamo.reset()
-    try:
-        cm = torch.compile(model, backend="cudagraphs")
-        fn = make_step(cm, phase, x, dy, opt)
-        for _ in range(5):
-            fn()
-        with torch.no_grad():
-            want = model(x)
-        got = fn().detach().clone()
-        ok = bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3))
-        return eager_us(fn, x.device, args), ("ok" if ok else "MISMATCH")
-    except Exception as e:  # keep the other figures; say why in the CSV
-        return NAN, f"error: {type(e).__name__}: {str(e)[:120]}"
-    finally:
-        torch._dynamo.reset()
-
-
 def make_adam(model: nn.Module, args, capturable: bool = False) -> torch.optim.Optimizer:
     """Adam (lr 1e-6) in the implementation --optimizer names: torch's default (foreach), torch's
     fused, or snack.optim.Adam (its GPU step is capturable whatever `capturable` says)."""
@@ -321,8 +292,6 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
     device = dense_w.device
     row = dict(method=method, phase=phase, B=B, eager_us=NAN, graph_us=NAN, peak_mb=NAN,
                energy_mj=NAN, power_w=NAN, graph_check="n/a")
-    if args.compiled:
-        row.update(compiled_us=NAN, compiled_check="n/a")
     if method == "cusparse" and phase == "train":
         return row
     g = torch.Generator(device=device).manual_seed(args.seed + B)
@@ -345,8 +314,6 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
         _sync(device)
         row["peak_mb"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     row["eager_us"] = eager_us(fn, device, args)
-    if args.compiled and device.type == "cuda":
-        row["compiled_us"], row["compiled_check"] = compiled_us(model, phase, x, dy, opt, args)
     if device.type == "cuda":
         if phase == "train":   # a capturable optimizer for the graph (its state on the device)
             del opt
@@ -402,8 +369,7 @@ def environment(device: torch.device) -> Dict[str, str]:
     return env
 
 
-RATIO_OF = {"eager_us": "eager", "graph_us": "graph", "peak_mb": "mem", "energy_mj": "energy",
-            "compiled_us": "compiled"}
+RATIO_OF = {"eager_us": "eager", "graph_us": "graph", "peak_mb": "mem", "energy_mj": "energy"}
 
 
 def add_ratios(rows: List[dict]) -> None:
@@ -414,9 +380,7 @@ def add_ratios(rows: List[dict]) -> None:
         for base in ("dense", "densemask"):
             b = by.get((base, r["phase"], r["B"]))
             for metric, short in RATIO_OF.items():
-                if metric not in r:
-                    continue
-                num = b.get(metric, NAN) if b is not None else NAN
+                num = b[metric] if b is not None else NAN
                 den = r[metric]
                 ok = isinstance(num, float) and isinstance(den, float) and den > 0 and \
                     not (math.isnan(num) or math.isnan(den))
@@ -470,10 +434,8 @@ def main(argv=None) -> List[dict]:
             for m in methods:
                 r = measure(m, phase, B, ref, dense_w, args, nvml)
                 rows.append(r)
-                comp = (f", compiled {r['compiled_us']:.1f} us {r['compiled_check']}"
-                        if "compiled_us" in r else "")
                 print(f"  {phase} B={B} {m}: eager {r['eager_us']:.1f} us, graph {r['graph_us']:.1f} us, "
-                      f"{r['graph_check']}{comp}", file=sys.stderr, flush=True)
+                      f"{r['graph_check']}", file=sys.stderr, flush=True)
     add_ratios(rows)
     common = dict(in_features=args.in_features, out_features=args.out_features, sparsity=args.sparsity,
                   nnz=ref.nnz, dtype="float32", optimizer=args.optimizer, **env)
