@@ -14,9 +14,8 @@ the graph at each layer; the autograd formula is registered on the forward op.
 
 `snack.functional.sparse_linear` calls these ops only while it is being compiled
 (`torch.compiler.is_compiling()`): in eager mode the autograd Function is cheaper on the host.
-Under CUDA graphs (`torch.compile(mode="reduce-overhead")`) the recorded kernels read the topology's
-arrays by address; a pattern changed in place reaches them once `backend.get_topology` has run
-(`snack.dst` calls it right after each update; see `Topology.refresh_from`).
+Trade-off: `mode="reduce-overhead"` (CUDA-graph trees) does not work yet: the backward finds an
+output of the forward op overwritten (README, Known limits); the default mode and aot_eager do.
 """
 from __future__ import annotations
 

