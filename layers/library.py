@@ -14,8 +14,8 @@ the graph at each layer; the autograd formula is registered on the forward op.
 
 `snack.functional.sparse_linear` calls these ops only while it is being compiled
 (`torch.compiler.is_compiling()`): in eager mode the autograd Function is cheaper on the host.
-Trade-off: `mode="reduce-overhead"` (CUDA-graph trees) does not work yet: the backward finds an
-output of the forward op overwritten (README, Known limits); the default mode and aot_eager do.
+Trade-off: `mode="reduce-overhead"` (CUDA-graph trees) is not verified on the GPU yet (README,
+Known limits); the default mode and aot_eager are.
 """
 from __future__ import annotations
 
