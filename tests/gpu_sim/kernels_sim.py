@@ -187,6 +187,27 @@ def test_deep_copy_of_a_matrix_whose_plans_are_cached():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("B,kw", [(8, {}), (20, dict(wide=True, chunks=2))])
+def test_cached_plans_follow_a_topology_refreshed_in_place(B, kw):
+    """After every op ran (plans and arrays cached), a new pattern with the same nnz is written
+    into the topology's own arrays (Topology.refresh_from, as snack.dst does through
+    get_topology): the same plan objects, bound to the same arrays, compute with the new
+    pattern; tiled, fused and wide (two column chunks) kernels."""
+    from snack.core import Topology
+    shape = (11, 29)
+    coo = COO.random(shape, density=0.2, seed=11)
+    _check(coo, B, torch.float32, seed=1, **kw)
+    t = coo.topology
+    plans = {k: v for k, v in t.cache.items() if isinstance(k, tuple) and k[0].endswith("_plan")}
+    arrays = {k: v for k, v in t.cache.items() if isinstance(v, torch.Tensor)}
+    assert plans and ("rows_by_col_u16" in arrays)
+    new = COO.random(shape, nnz=coo.nnz, seed=12)
+    t.indices.copy_(new.topology.indices)
+    assert t.refresh_from(Topology(new.topology.indices.clone(), shape))
+    assert all(t.cache[k] is v for k, v in plans.items()) and all(t.cache[k] is v for k, v in arrays.items())
+    _check(COO(t.indices, new.values, shape, topology=t, check=False), B, torch.float32, seed=2, **kw)
+
+
 def test_no_nonzeros():
     coo = COO(torch.empty(2, 0, dtype=torch.int32), torch.empty(0), (4, 6))
     _check(coo, 2, torch.float32, seed=1)
