@@ -60,6 +60,7 @@ def as_kernel_array(t: torch.Tensor) -> torch.Tensor:
 
 _build_streams = {}
 _builder = None
+_on_builder = threading.local()  # .active: this thread is the builder (a nested call runs in place)
 
 
 def build_persistent(device, fn, /, *args, **kwargs):
@@ -70,10 +71,12 @@ def build_persistent(device, fn, /, *args, **kwargs):
     that outlives the graph's outputs. fn runs on a worker thread of its own, on a side stream
     that first waits for the caller's current stream and that the caller's stream then waits
     for; its exceptions reach the caller. Under stream capture (where building anything would be
-    captured) and off the GPU fn runs in place."""
+    captured), off the GPU and when called from the worker itself (a build within a build) fn runs
+    in place."""
     global _builder
     device = torch.device(device)
-    if _SIM or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if _SIM or device.type != "cuda" or getattr(_on_builder, "active", False) \
+            or torch.cuda.is_current_stream_capturing():
         return fn(*args, **kwargs)
     with _lock:
         if _builder is None:
@@ -86,8 +89,12 @@ def build_persistent(device, fn, /, *args, **kwargs):
     side.wait_stream(cur)
 
     def work():
-        with torch.cuda.device(device), torch.cuda.stream(side):
-            return fn(*args, **kwargs)
+        _on_builder.active = True
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(side):
+                return fn(*args, **kwargs)
+        finally:
+            _on_builder.active = False
     try:
         return _builder.submit(work).result()
     finally:

@@ -178,3 +178,27 @@ def test_bound_launch_deep_copy_binds_copies_of_its_fixed_arrays(monkeypatch):
     assert other is not bound and other.fixed[0] is twin  # the same copy as the rest of the deep copy
     assert other.fixed[1] is None and other.scalars == [3] and other.grid == bound.grid
     assert other._state == {} and other._lock is not bound._lock
+
+
+@pytest.mark.gpu
+def test_build_persistent_runs_on_its_worker_nests_and_raises():
+    """build_persistent runs fn on its worker thread (outside any CUDA-graph pool of the caller's
+    thread), a build within a build runs in place on that worker (no deadlock), results are
+    ordered before the caller's later work, and fn's exceptions reach the caller."""
+    from snack.gpu.launch import build_persistent
+    main = threading.get_ident()
+
+    def inner():
+        return threading.get_ident(), torch.arange(5, device="cuda", dtype=torch.float32)
+
+    def outer():
+        return threading.get_ident(), build_persistent("cuda", inner)
+    t_outer, (t_inner, a) = build_persistent("cuda", outer)
+    assert t_outer != main and t_inner == t_outer
+    assert torch.equal((a * 2).cpu(), torch.arange(5, dtype=torch.float32) * 2)
+
+    def bad():
+        raise ValueError("indices are not sorted")
+    with pytest.raises(ValueError, match="not sorted"):
+        build_persistent("cuda", bad)
+    assert build_persistent("cpu", threading.get_ident) == main   # off the GPU: in place
