@@ -13,7 +13,9 @@ TorchDynamo traces `SparseLinear` into one graph (`fullgraph=True` works) instea
 the graph at each layer; the autograd formula is registered on the forward op.
 
 `snack.functional.sparse_linear` calls these ops only while it is being compiled
-(`torch.compiler.is_compiling()`): in eager mode the autograd Function is cheaper on the host.
+(`torch.compiler.is_compiling()`): in eager mode the autograd Function is cheaper on the host
+(a forward through the custom op took ~20 us more, 108 vs 87 us, on a 2-core CPU machine under
+load: CPU backend, 2 x 16 x 16).
 Trade-off: `mode="reduce-overhead"` (CUDA-graph trees) is not verified on the GPU yet (README,
 Known limits); the default mode and aot_eager are.
 """
