@@ -1,7 +1,8 @@
 """torch.compile, torch.export and torch.library: SparseLinear traced into one graph
 (fullgraph=True), exported and loaded back, the custom ops checked by torch.library.opcheck,
-results and gradients equal to eager and to float64, a pattern changed in place seen by a compiled model, bad input still rejected; on the GPU a
-compiled model trained through SET / RigL updates, in the default mode and with CUDA graphs.
+results and gradients equal to eager and to float64, a pattern changed in place seen by a
+compiled model, bad input still rejected; on the GPU a compiled model trained through SET / RigL
+updates, in the default mode and with CUDA graphs.
 """
 import pytest
 import torch
@@ -117,14 +118,17 @@ def test_compiled_model_follows_pattern_changed_in_place():
     snack.dst does) change the result without a recompile."""
     model = _mlp()
     layer = model[0]
+    from torch._dynamo.utils import counters
     x = torch.randn(4, 37, dtype=torch.float64)
     torch._dynamo.reset()
+    counters.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     before = compiled(x)
     new_idx = uniform_indices((29, 37), nnz=layer.nnz, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         layer.indices.copy_(new_idx.to(layer.indices))
     after = compiled(x)
+    assert counters["stats"]["unique_graphs"] == 1
     assert not torch.allclose(before, after)
     assert_close_dtype(after, model(x))
 
