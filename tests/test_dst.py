@@ -533,6 +533,7 @@ def test_cuda_matches_cpu_pattern(cls):
 def test_cuda_graph_captured_before_update_replays_new_pattern():
     """A training step captured in a CUDA graph, then SET updates between replays: each replay
     computes with the current pattern (the same loss and gradients as an eager step)."""
+    from experiments.bench_layer import capture
     torch.manual_seed(3)
     layer = SparseLinear(700, 900, sparsity=0.9, device="cuda")
     opt = torch.optim.SGD(layer.parameters(), lr=0.0)
@@ -545,15 +546,7 @@ def test_cuda_graph_captured_before_update_replays_new_pattern():
         loss = F.mse_loss(layer(x), t)
         loss.backward()
         return loss
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_loss = step()
+    g, static_loss = capture(step)
     for _ in range(3):
         with torch.no_grad():
             layer.values.normal_()            # SET drops by magnitude: a new pattern each time

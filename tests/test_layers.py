@@ -418,13 +418,13 @@ def test_cuda_graph_replays_pattern_changed_in_place(B):
     nnz, as dynamic sparse training does) and the topology rebuilt with one get_topology call:
     the replay computes with the new pattern (output and gradients against float64), through
     every kernel family (tiled B = 1 / 8, fused backward B = 12 / 32, wide kernels B = 32 / 128)."""
+    from experiments.bench_layer import capture
     from snack.core import uniform_indices
     from snack.layers.backend import get_topology
     torch.manual_seed(17)
     layer = SparseLinear(1000, 1700, sparsity=0.9, device="cuda")
     x = torch.randn(B, 1000, device="cuda", requires_grad=True)
     dy = torch.randn(B, 1700, device="cuda")
-    out = []
 
     def step():
         layer.zero_grad(set_to_none=True)
@@ -432,15 +432,8 @@ def test_cuda_graph_replays_pattern_changed_in_place(B):
         y = layer(x)
         y.backward(dy)
         return y
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out.append(step())
-    got = [out[0], x.grad, layer.values.grad, layer.bias.grad]
+    g, y = capture(step)
+    got = [y, x.grad, layer.values.grad, layer.bias.grad]
     topo = get_topology(layer.indices, (1700, 1000))
     for seed in (1, 2):
         new_idx = uniform_indices((1700, 1000), nnz=layer.nnz, generator=torch.Generator().manual_seed(seed))
