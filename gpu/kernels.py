@@ -729,10 +729,84 @@ def _make_stage_quad(ld):
     return stage
 
 
+@cuda.jit(device=True, inline=True)
+def _xor_stage(buf, o, bit, sw):
+    """buf[o + i] <- buf[o + (i ^ bit)] for i = 0..7 when sw, else unchanged (selects only)."""
+    for i in range(8):
+        if (i & bit) == 0:
+            a = buf[o + i]
+            b = buf[o + (i | bit)]
+            buf[o + i] = b if sw else a
+            buf[o + (i | bit)] = a if sw else b
+
+
+@cuda.jit(device=True, inline=True)
+def _xor_perm8(buf, o, u):
+    """buf[o + i] <- buf[o + (i ^ u)] for i = 0..7 (u < 8): 3 stages of conditional swaps, so
+    that a register array is permuted by a lane-dependent amount without local memory."""
+    _xor_stage(buf, o, 1, (u & 1) != 0)
+    _xor_stage(buf, o, 2, (u & 2) != 0)
+    _xor_stage(buf, o, 4, (u & 4) != 0)
+
+
+def _make_stage_plain(ld):
+    @cuda.jit(device=True, inline=True)
+    def stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads):
+        """xs[cl * 32 + j] = X[b0 + j, c0 + cl] (0 past the batch): column cl's 32 batch values in
+        order, every column's 16-byte chunk K at the same 4 banks (the lane-owned wide kernels).
+
+        The loads are those of `_make_stage_quad` (lane (r, u) takes column 8 * m + u of batch rows
+        4K + r, K = 0..7: 4 full 32-byte sectors per warp load). Before the stores each lane
+        permutes its 8 values by K ^ u in registers (selects), so that store kk writes row
+        4 * (kk ^ u) + r: 32 distinct banks per warp store.
+        """
+        lane = tid & 31
+        warp = tid >> 5
+        nwarps = nthreads >> 5
+        r = lane >> 3
+        u = lane & 7
+        cl = int32(warp * 8 + u)
+        w32 = int32(width)
+        step = int32(nwarps * 8)
+        nb = batch - b0  # valid rows in this tile
+        rs = int32(4 * n_cols)
+        src = int32(b0 + r) * int32(n_cols) + int32(c0) + cl
+        dst = (cl << 5) | r
+        if nb >= WIDE:
+            while cl - u + step + 8 <= w32:
+                for kk in range(8):
+                    buf[kk] = ld(x, uint32(src + int32(kk) * rs))
+                    buf[kk + 8] = ld(x, uint32(src + step + int32(kk) * rs))
+                _loads_before_stores()  # the loop is warp-uniform
+                _xor_perm8(buf, 0, u)
+                _xor_perm8(buf, 8, u)
+                for kk in range(8):
+                    xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
+                    xs[uint32((dst + (step << 5)) | ((kk ^ u) << 2))] = buf[kk + 8]
+                cl = int32(cl + 2 * step)
+                src = int32(src + 2 * step)
+                dst = int32(dst + (step << 6))
+        while cl - u < w32:
+            inc = cl < w32
+            for kk in range(8):
+                v = float32(0.0)
+                if inc and 4 * kk + r < nb:
+                    v = ld(x, uint32(src + int32(kk) * rs))
+                buf[kk] = v
+            if inc:
+                _xor_perm8(buf, 0, u)
+                for kk in range(8):
+                    xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
+            cl = int32(cl + step)
+            src = int32(src + step)
+            dst = int32(dst + (step << 5))
+    return stage
+
+
 @functools.lru_cache(maxsize=None)
 def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
-                          rows4: bool = False):
+                          rows4: bool = False, own: bool = False, threads: int = 1024, per_lane: int = 4):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -766,7 +840,21 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     own, so a warp works on 4 rows at once and needs no sum over groups at the row's end; a
     group walks its segment 8 non-zeros per round (one load per lane, then 8 sub-steps taking
     them in turn by shuffles), for as many sub-steps as the warp's longest segment needs.
+    `own` (not with `fused` or `rows4`): lanes own their non-zeros. Each group of 8 lanes takes a
+    row of its own (as `rows4`), lane k of a group the entries 8i + k of the row's segment, and
+    keeps 32 accumulators, one per batch column: a non-zero costs the lane 8 16-byte
+    shared-memory reads and 32 FMAs, with no shuffle. The chunk is staged without the swizzle
+    (`_make_stage_plain`: chunk K of every column at the same 4 banks), and lane k reads chunk
+    i ^ k at its i-th read, so the 8 lanes of a quarter warp hit 8 distinct bank quads whatever
+    their columns (conflict-free, 4 wavefronts per warp read); accumulator chunk i then holds
+    batch columns 4 (i ^ k) .. 4 (i ^ k) + 3, and a transposing butterfly over the group's 8 lanes
+    (28 shuffles, no selects: the rotation by k is the butterfly's own pairing) leaves batch
+    columns 4k .. 4k + 3 of the row's sum in lane k. `threads` is the launch bound (block size
+    the kernel is compiled for: 64 registers at 1024, 128 at 512); `per_lane` (own): entries each
+    lane takes per round (their loads in flight together, one round ahead).
     """
+    if own and (fused or rows4):
+        raise ValueError("own is a variant of the plain SpMMs, without fused or rows4")
     if fused and (not has_perm or has_bias):
         raise ValueError("the fused backward runs on the transposed order (has_perm) without a bias")
     if with_db and not fused:
@@ -781,7 +869,10 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     FUSED = fused
     WITH_DB = with_db
     ROWS4 = rows4
-    stage = _make_stage_quad(ld)
+    OWN = own
+    U = per_lane if own else 1
+    ROWG = rows4 or own  # a row per group of 8 lanes
+    stage = _make_stage_plain(ld) if own else _make_stage_quad(ld)
     col4 = _make_col4(ld)
 
     @cuda.jit(device=True, inline=True)
@@ -803,6 +894,11 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
                   cps):
         xs = cuda.shared.array(0, dtype=float32, alignment=16)
         buf = cuda.local.array(16, dtype=float32)
+        acc = cuda.local.array(32, dtype=float32)  # (own) the lane's row sums, chunk i ^ kq in i
+        crs = cuda.local.array(U, dtype=int32)  # (own) the lane's next U entries: columns, values
+        vas = cuda.local.array(U, dtype=float32)
+        ccur = cuda.local.array(U, dtype=int32)  # (own) the current ones (row offsets, values)
+        vcur = cuda.local.array(U, dtype=float32)
         tid = int32(cuda.threadIdx.x)
         nthreads = int32(cuda.blockDim.x)
         ch0 = int32(cuda.blockIdx.x) * int32(cps)
@@ -837,9 +933,13 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
             # rows are software-pipelined: the first row's segment bounds and first non-zeros
             # are requested before the staging; the next row's bounds when a row starts, and
             # its first non-zeros with the row's last step (one stream of steps across the rows)
-            r = int32(r0 + 4 * (tid >> 5) + g) if ROWS4 else int32(r0 + (tid >> 5))
+            r = int32(r0 + 4 * (tid >> 5) + g) if ROWG else int32(r0 + (tid >> 5))
             s0, s1 = _bounds(seg, r * nch + ch, r < r1)
-            cr, va = load_nz(idx, val, perm, int32(s0 + (kq if ROWS4 else lane)), s1, c0)
+            if OWN:
+                for u in range(U):
+                    crs[u], vas[u] = load_nz(idx, val, perm, int32(s0 + kq + 8 * u), s1, c0)
+            else:
+                cr, va = load_nz(idx, val, perm, int32(s0 + (kq if ROWS4 else lane)), s1, c0)
             if ch > ch0:
                 cuda.syncthreads()  # the previous chunk is consumed
             stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
@@ -854,14 +954,56 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
                         tb += xs[uint32((cl << 5) | ((cl + i) & 31))]
                     db[uint32(c0 + cl)] = cv(tb)
                     cl += nthreads
-            while (r - g if ROWS4 else r) < r1:  # (ROWS4: the warp's first row of the four)
-                rn = int32(r + (4 * nwarps if ROWS4 else nwarps))
+            while (r - g if ROWG else r) < r1:  # (ROWG: the warp's first row of the four)
+                rn = int32(r + (4 * nwarps if ROWG else nwarps))
                 ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
                 a0 = float32(0.0)
                 a1 = float32(0.0)
                 a2 = float32(0.0)
                 a3 = float32(0.0)
-                if ROWS4:
+                if OWN:
+                    # lane kq of a group takes entries 8i + kq of its row, U per round (entries
+                    # t + 8u + kq, u < U), the next round's U loaded during the current one; the
+                    # warp runs as many sub-steps as its longest segment needs
+                    ng = int32(s1 - s0)
+                    n = max(ng, cuda.shfl_xor_sync(FULL_MASK, ng, 8))
+                    n = max(n, cuda.shfl_xor_sync(FULL_MASK, n, 16))
+                    for j in range(32):
+                        acc[j] = float32(0.0)
+                    t = int32(0)
+                    while t < n:
+                        for u in range(U):
+                            ccur[u] = int32((int32(crs[u] - c0) << 5) | k4)
+                            vcur[u] = float32(0.0)
+                        if t < ng:
+                            more = t + int32(8 * U) < ng
+                            e0 = int32((s0 + t + int32(8 * U) if more else ns0) + kq)
+                            e1 = int32(s1 if more else ns1)
+                            for u in range(U):
+                                vcur[u] = vas[u]
+                                crs[u], vas[u] = load_nz(idx, val, perm, int32(e0 + int32(8 * u)), e1, c0)
+                        for u in range(U):
+                            if u == 0 or t + int32(8 * u) < n:  # warp-uniform
+                                ca = ccur[u]
+                                vc = vcur[u]
+                                for i in range(8):
+                                    p = uint32((ca ^ (i << 2)) & -4)  # chunk i ^ kq: a multiple of 4
+                                    acc[4 * i] += vc * xs[p]
+                                    acc[4 * i + 1] += vc * xs[p + 1]
+                                    acc[4 * i + 2] += vc * xs[p + 2]
+                                    acc[4 * i + 3] += vc * xs[p + 3]
+                        t = int32(t + int32(8 * U))
+                    if n > 0:  # warp-uniform: every lane takes part in the shuffles
+                        # lane kq holds chunk c in acc chunk c ^ kq; its partner kq ^ 4 holds it in
+                        # chunk c ^ kq ^ 4: adding the partner's chunks 4..7 to one's own 0..3 keeps
+                        # the chunks whose bit 2 is kq's; likewise bits 1 and 0
+                        for j in range(16):
+                            acc[j] += cuda.shfl_xor_sync(FULL_MASK, acc[j + 16], 4)
+                        for j in range(8):
+                            acc[j] += cuda.shfl_xor_sync(FULL_MASK, acc[j + 8], 2)
+                        for j in range(4):
+                            acc[j] += cuda.shfl_xor_sync(FULL_MASK, acc[j + 4], 1)
+                elif ROWS4:
                     # a group walks its row 8 entries per round (lane k of the group loads entry
                     # 8i + k, the 8 sub-steps take them in turn), for as many rounds as the
                     # warp's longest segment needs (entries past a segment's end have value 0)
@@ -935,7 +1077,13 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
                         va = vn
                         base = nb
                 if s0 < s1:
-                    if ROWS4:  # the group's own row: each lane adds its 4 batch columns
+                    if OWN:  # batch columns 4kq .. 4kq + 3 of the group's own row
+                        o = uint32(ybase + (r - r0) * 33 + k4)
+                        xs[o] += acc[0]
+                        xs[o + 1] += acc[1]
+                        xs[o + 2] += acc[2]
+                        xs[o + 3] += acc[3]
+                    elif ROWS4:  # the group's own row: each lane adds its 4 batch columns
                         o = uint32(ybase + (r - r0) * 33 + k4)
                         xs[o] += a0
                         xs[o + 1] += a1
@@ -956,7 +1104,11 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
                         col = k4 + (2 if hi8 else 0) + (1 if hi16 else 0)
                         xs[uint32(ybase + (r - r0) * 33 + col)] += tk
                 else:  # an empty segment requested nothing: the next row's first entries
-                    cr, va = load_nz(idx, val, perm, int32(ns0 + (kq if ROWS4 else lane)), ns1, c0)
+                    if OWN:
+                        for u in range(U):
+                            crs[u], vas[u] = load_nz(idx, val, perm, int32(ns0 + kq + 8 * u), ns1, c0)
+                    else:
+                        cr, va = load_nz(idx, val, perm, int32(ns0 + (kq if ROWS4 else lane)), ns1, c0)
                 s0 = ns0
                 s1 = ns1
                 r = rn
@@ -999,8 +1151,9 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     spmm_wide.__name__ = (f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}"
                           f"{'_' + sums if sums else ''}{'_bias' if has_bias else ''}"
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
-                          f"{'_rows4' if rows4 else ''}")
-    return _jit(spmm_wide, launch_bounds=(1024,))
+                          f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
+                          f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}")
+    return _jit(spmm_wide, launch_bounds=(threads,))
 
 
 @functools.lru_cache(maxsize=None)

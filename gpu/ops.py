@@ -159,7 +159,7 @@ def wide_chunks(n_cols: int, device, chunks: Optional[int] = None, batch: Option
     return nch, cw, cw * kernels.WIDE * 4
 
 
-def _wide_plan(n_rows, n_cols, batch, device, threads, chunks=None, split=None):
+def _wide_plan(n_rows, n_cols, batch, device, threads, chunks=None, split=None, regs=_WIDE_REGS):
     """Launch plan of the wide SpMM: (nch, cw, cps, nsplit, grid rows, rows per block, shared
     memory bytes), or None when a chunk does not fit. The columns are cut into nch chunks of cw;
     `split` groups of chunks go to different blocks (partial rows added with atomics), each
@@ -172,7 +172,7 @@ def _wide_plan(n_rows, n_cols, batch, device, threads, chunks=None, split=None):
     cps = -(-nch // nsplit)
     nsplit = -(-nch // cps)
     ntiles = -(-batch // kernels.WIDE)
-    gy = _grid_rows(n_rows, nsplit * ntiles, smem, device, threads, _WIDE_REGS)
+    gy = _grid_rows(n_rows, nsplit * ntiles, smem, device, threads, regs)
     rpb = -(-n_rows // gy)
     while smem + rpb * 33 * 4 > max_smem:
         gy += 1
@@ -315,7 +315,8 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     (order, batch, dtype, options, bias or not, `_sum_mode`): (BoundLaunch, how partial rows add
     up) (see `_spmm_launch`), or None when no variant fits in shared memory (torch fallback)."""
     mode = _sum_mode()
-    return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode),
+    return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
+                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
 
@@ -327,6 +328,30 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
 # 17.6 -> 15.4; 98 %, B = 128 (27) 26.9 -> 25.7 / 31.7 -> 30.9; 97 %, B = 128 (41) 30.6 -> 30.6 /
 # 36.1 -> 38.1; 95 %, B = 32 (51) 16.4 -> 16.9 / 18.0 -> 18.5.
 WIDE_ROWS4_BELOW = 32
+
+
+# The wide SpMMs with lane-owned non-zeros (kernels.make_spmm_wide_kernel(own=True)): a lane
+# takes whole non-zeros (32 accumulators; 8 conflict-free 16-byte shared-memory reads and 32 FMAs
+# each) instead of the 8 lanes of a group sharing each one. WIDE_OWN: None (default) for the
+# forward on long segments (not the rows4 case), True for both SpMMs always, False never.
+# Measured on the H200 (4096 x 4096, graph medians, us, warp per row -> own): forward at 90 %,
+# B = 32 21.8 -> 20.5, B = 128 58.8 -> 53.3; 95 %, B = 32 16.6 -> 16.5, B = 128 38.9 -> 36.8; but
+# dX at 90 %, B = 32 24.3 -> 24.9-25.1, B = 128 79.5 -> 83.8, and at 99 % (short segments,
+# against rows4) forward B = 32 11.6 -> 12.5, B = 128 20.6 -> 23.0. Compiled for blocks of
+# WIDE_OWN_THREADS threads (94-109 registers at 512; a bound of 1024 threads, 64 registers with
+# spills, was 6-13 % slower) and launched with as many, or with the op's `threads` where fewer;
+# WIDE_OWN_PER_LANE entries per lane and round (2 or 4: within 2 %).
+WIDE_OWN: Optional[bool] = None
+WIDE_OWN_THREADS = 512
+WIDE_OWN_PER_LANE = 4
+WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_THREADS)
+
+
+def _wide_own(transposed: bool, short: bool) -> bool:
+    """Whether a wide SpMM runs lane-owned (see WIDE_OWN)."""
+    if WIDE_OWN is not None:
+        return bool(WIDE_OWN)
+    return not transposed and not short
 
 
 def _short_segments(topo, n_rows: int, nch: int) -> bool:
@@ -385,15 +410,21 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
     third = perm if perm is not None else ptr
     idx16 = idx.dtype == torch.uint16
     if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo):
-        wp = _wide_plan(n_rows, n_cols, batch, device, threads, chunks, split)
+        nch = wide_chunks(n_cols, device, chunks, batch)[0]
+        own = _wide_own(transposed, _short_segments(topo, n_rows, nch))
+        wthreads = min(threads, WIDE_OWN_THREADS) if own else threads
+        bound = (WIDE_OWN_BOUND or WIDE_OWN_THREADS) if own else 1024
+        wp = _wide_plan(n_rows, n_cols, batch, device, wthreads, chunks, split, 65536 // bound)
         if wp is not None:
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
-            rows4 = _short_segments(topo, n_rows, nch)  # a row per lane group
+            rows4 = not own and _short_segments(topo, n_rows, nch)  # a row per lane group
             sums = mode if nsplit > 1 else None
-            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4)
+            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
+                                                 own=own, threads=bound,
+                                                 per_lane=WIDE_OWN_PER_LANE)
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
-            return _spmm_launch(kern, (nsplit, ntiles, gy), threads, smem,
+            return _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem,
                                 [_seg(topo, transposed, nch, cw), idx, third],
                                 [n_rows, n_cols, batch, nch, cw, rpb, cps], sums, [d, d, d])
     tile, smem = choose_tile(batch, n_cols, device, bt)

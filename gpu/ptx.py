@@ -26,6 +26,19 @@ def _sig(arrays, n_scalars):
 
 # how a wide kernel adds partial results: written once, fp32 atomics, fp32 parts
 SUMS = (None, "atomic", "parts")
+# the wide SpMMs' row modes (rows4, own): a warp per row, a row per group of 8 lanes, lane-owned
+_WIDE_MODES = ((False, False), (True, False), (False, True))
+
+
+def _threads(own: bool) -> int:
+    """The launch bound a wide SpMM is compiled with, as the ops build it."""
+    from . import ops
+    return ops.WIDE_OWN_THREADS if own else 1024
+
+
+def _per_lane() -> int:
+    from . import ops
+    return ops.WIDE_OWN_PER_LANE
 
 
 def variants():
@@ -49,8 +62,9 @@ def variants():
                                 _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 3)))
         for perm, bias in ((False, False), (True, False), (False, True)):
             for sums in SUMS:
-                for rows4 in (False, True):
-                    d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4)
+                for rows4, own in _WIDE_MODES:
+                    d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own, threads=_threads(own),
+                                                      per_lane=_per_lane())
                     yel = "float32" if sums else el
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "int32", el, "int32", yel, el, el, el, el], 7)))
@@ -67,8 +81,9 @@ def variants():
                     d = make(bt, kind, True, False, True)
                     out.append((d.py_func.__name__, d, _sig([el, "int32", "uint16", el, "int32", el, el], 3)))
             for sums in SUMS:
-                for rows4 in (False, True):
-                    d = kernels.make_spmm_wide_kernel(kind, True, sums, False, True, rows4=rows4)
+                for rows4, own in _WIDE_MODES:
+                    d = kernels.make_spmm_wide_kernel(kind, True, sums, False, True, rows4=rows4, own=own,
+                                                      threads=_threads(own), per_lane=_per_lane())
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "uint16", el, "int32", "float32" if sums else el, el,
                                       el, el, el], 7)))

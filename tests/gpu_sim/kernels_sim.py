@@ -224,21 +224,23 @@ def test_half_precision(dtype, shape, B, density):
     _check(coo, B, dtype, seed=11)
 
 
-@pytest.fixture(params=["warp", "rows4"])
+@pytest.fixture(params=["warp", "rows4", "own"])
 def wide_mode(request, monkeypatch):
-    """The wide SpMMs and SDDMM with a warp per row, or with a row per group of 8 lanes (rows4,
-    chosen for short segments), whatever the segments' lengths."""
+    """The wide SpMMs and SDDMM with a warp per row, with a row per group of 8 lanes (rows4,
+    chosen for short segments) whatever the segments' lengths, or (the SpMMs) with lane-owned
+    non-zeros (own)."""
     from snack.gpu import ops
     rows4 = request.param == "rows4"
+    monkeypatch.setattr(ops, "WIDE_OWN", request.param == "own")
     monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9 if rows4 else 0)
     monkeypatch.setattr(ops, "_sddmm_rows4", lambda *args: rows4)
     return request.param
 
 
 def _check_wide(mode, coo, B, seed, **kw):
-    """_check at float32: every op in the warp mode; in the rows4 mode all but the fused
+    """_check at float32: every op in the warp mode; in the other modes all but the fused
     backward (one mode, checked in the warp mode)."""
-    _check(coo, B, torch.float32, seed, fused=mode != "rows4", **kw)
+    _check(coo, B, torch.float32, seed, fused=mode == "warp", **kw)
 
 
 @pytest.mark.parametrize("B,chunks", [(16, None), (20, 2)])
@@ -378,21 +380,25 @@ def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch,
     _check_wide(wide_mode, coo, B, seed=8, wide=True, chunks=chunks, threads=64)
 
 
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("dtype,B,chunks", [(torch.float32, 35, None), (torch.float16, 40, 2)])
-def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, chunks):
-    # rows4, one warp over 13 rows: the four groups of a warp walk segments of 0, 1, 7, 8, 9
-    # and 90 non-zeros side by side (rounds of 8, the last one trimmed to the longest segment),
-    # and the last round of rows has one row and three groups past the block's rows
+def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, chunks, own):
+    # a row per group of 8 lanes (rows4, or lane-owned with own), one warp over 17 rows: the
+    # four groups of a warp walk segments of 0, 1, 7, 8, 9, 32, 33 and 90 non-zeros side by side
+    # (rounds of 8 entries, or 8 x WIDE_OWN_PER_LANE, the last one trimmed to the longest
+    # segment), and the last round of rows has one row and three groups past the block's rows
     from snack.gpu import ops
+    monkeypatch.setattr(ops, "WIDE_OWN", own)
     monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9)
     monkeypatch.setattr(ops, "_sddmm_rows4", lambda *args: True)
     monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
     g = torch.Generator().manual_seed(3)
-    mask = torch.zeros(13, 90, dtype=torch.bool)
-    for r, n in enumerate([90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 5]):
+    lengths = [90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 32, 33, 31, 40, 5]
+    mask = torch.zeros(len(lengths), 90, dtype=torch.bool)
+    for r, n in enumerate(lengths):
         mask[r, torch.randperm(90, generator=g)[:n]] = True
     idx = mask.nonzero().T.to(torch.int32)
-    coo = COO(idx, torch.randn(idx.shape[1], generator=g), (13, 90))
+    coo = COO(idx, torch.randn(idx.shape[1], generator=g), tuple(mask.shape))
     _check(coo, B, dtype, seed=4, wide=True, chunks=chunks, threads=32)
 
 
