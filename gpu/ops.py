@@ -29,7 +29,8 @@ the SDDMM from B = 16 at >= 3 % and from B = 32) or when asked (`wide=True`, `ch
 `WIDE_CHUNK_COLS` columns for B <= 64 when several chunks are needed anyway; where rows hold
 fewer than `WIDE_ROWS4_BELOW` non-zeros per chunk on average, each group of 8 lanes takes a row
 of its own (`rows4`) instead of a warp per row (the SDDMM also when rows are many,
-`_sddmm_rows4`). The wide SDDMM gives each 32-column batch tile its own blocks; above B = 32
+`_sddmm_rows4`); elsewhere the wide forward runs with lanes that own whole non-zeros (`own`,
+512-thread blocks, `WIDE_OWN`). The wide SDDMM gives each 32-column batch tile its own blocks; above B = 32
 the tiles' parts add up with fp32 atomics (its result may then differ in the last bits from
 run to run; every other op, and the SDDMM up to B = 32, is deterministic apart from the
 SpMMs' atomics across column chunks).
@@ -339,8 +340,8 @@ WIDE_ROWS4_BELOW = 32
 # dX at 90 %, B = 32 24.3 -> 24.9-25.1, B = 128 79.5 -> 83.8, and at 99 % (short segments,
 # against rows4) forward B = 32 11.6 -> 12.5, B = 128 20.6 -> 23.0. Compiled for blocks of
 # WIDE_OWN_THREADS threads (94-109 registers at 512; a bound of 1024 threads, 64 registers with
-# spills, was 6-13 % slower) and launched with as many, or with the op's `threads` where fewer;
-# WIDE_OWN_PER_LANE entries per lane and round (2 or 4: within 2 %).
+# spills, was 3-13 % slower) and launched with as many, or with the op's `threads` where fewer;
+# WIDE_OWN_PER_LANE entries per lane and round (1, 2 or 4: within 3 %).
 WIDE_OWN: Optional[bool] = None
 WIDE_OWN_THREADS = 512
 WIDE_OWN_PER_LANE = 4
