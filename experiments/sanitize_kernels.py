@@ -6,14 +6,15 @@ from __future__ import annotations
 import torch
 
 
-def main(sums=("atomic", "parts"), tiled=False):
+def main(sums=("atomic", "parts"), tiled=False, own=False):
     """sums: the ways of adding the wide kernels' partial results to run (ops.PARTIAL_SUMS);
     tiled: only the batch-tiled kernels (every op forced off the 32-wide ones, no fused backward),
-    a shorter run."""
+    a shorter run; own: only the lane-owned wide SpMMs (ops.WIDE_OWN), a shorter run."""
     import snack.gpu as G
     from snack.core import COO
     from snack.gpu import ops
     rows4_below, sddmm_rows4, partial_sums = ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4, ops.PARTIAL_SUMS
+    wide_own = ops.WIDE_OWN
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
     runs = [(mode, shape) for mode in (sums[:1] if tiled else sums)
@@ -32,14 +33,17 @@ def main(sums=("atomic", "parts"), tiled=False):
             dxref = spmm_t_reference(dy.double(), t.indices, v.double(), i)
             dvref = sddmm_reference(dy.double(), x.double(), t.indices)
             # the default variant, then the 32-wide kernels forced (one chunk per block with
-            # atomics, and one block looping over small chunks) with a warp per row and with a
-            # row per group of 8 lanes; the forward with and without bias
-            variants = ({"wide": False},) if tiled else (
-                {}, {"wide": True, "rows4": False}, {"wide": True, "rows4": True},
-                {"wide": True, "chunks": 3, "split": 1, "rows4": False},
-                {"wide": True, "chunks": 3, "split": 1, "rows4": True})
+            # atomics, and one block looping over small chunks) with a warp per row, with a
+            # row per group of 8 lanes and (the SpMMs) with lane-owned non-zeros; the forward
+            # with and without bias
+            owned = ({"wide": True, "own": True}, {"wide": True, "chunks": 3, "split": 1, "own": True})
+            variants = ({"wide": False},) if tiled else owned if own else (
+                {}, {"wide": True, "rows4": False, "own": False}, {"wide": True, "rows4": True, "own": False},
+                {"wide": True, "chunks": 3, "split": 1, "rows4": False, "own": False},
+                {"wide": True, "chunks": 3, "split": 1, "rows4": True, "own": False}) + owned
             for opts in variants:
                 opts = dict(opts)
+                ops.WIDE_OWN = opts.pop("own", wide_own)
                 r4 = opts.pop("rows4", None)
                 ops.WIDE_ROWS4_BELOW = rows4_below if r4 is None else (10 ** 9 if r4 else 0)
                 ops._sddmm_rows4 = sddmm_rows4 if r4 is None else (lambda *a, r4=r4: r4)
@@ -59,7 +63,7 @@ def main(sums=("atomic", "parts"), tiled=False):
                     e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                     worst = max(worst, e if dt == torch.float32 else e / 100)
     ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4 = rows4_below, sddmm_rows4
-    ops.PARTIAL_SUMS = partial_sums
+    ops.PARTIAL_SUMS, ops.WIDE_OWN = partial_sums, wide_own
     # the fused Adam step (AdamW's decay too) against torch's, several grid-stride rounds
     for cls in (torch.optim.Adam, torch.optim.AdamW):
         p = torch.randn(300_001, device="cuda")
@@ -100,5 +104,7 @@ if __name__ == "__main__":
                     help="how the wide kernels add partial results (snack.gpu.ops.PARTIAL_SUMS); default both")
     ap.add_argument("--tiled", action="store_true",
                     help="only the batch-tiled kernels (and Adam): a shorter run for the sanitizers")
+    ap.add_argument("--own", action="store_true",
+                    help="only the lane-owned wide SpMMs (and Adam): a shorter run for the sanitizers")
     a = ap.parse_args()
-    main(tuple(a.sums), a.tiled)
+    main(tuple(a.sums), a.tiled, a.own)
