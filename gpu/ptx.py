@@ -4,7 +4,7 @@
 pick (batch tiles x dtypes x permuted/atomic/bias flags, and the Adam step), so that a machine without a GPU (CI)
 catches typing errors that Numba's simulator lets through. Needs numba-cuda's NVVM
 (`pip install numba-cuda[cu13]`) and must run with the simulator off.
-Usage: python -m snack.gpu.ptx [--cc 9.0]  (prints one line per kernel with its PTX size and
+Usage: python -m snack.gpu.ptx [--cc 9.0] [--workers N]  (prints one line per kernel with its PTX size and
 whether it uses local memory).
 """
 from __future__ import annotations
@@ -100,13 +100,28 @@ def variants():
     return out
 
 
-def compile_all(cc: Tuple[int, int] = (9, 0)) -> Dict[str, str]:
-    """{kernel name: PTX} for every variant, compiled for compute capability `cc`."""
+def _compile_slice(args) -> Dict[str, str]:
+    """{name: PTX} of variants()[part::parts] for compute capability cc; args = (cc, part, parts)."""
     from numba import cuda
+    cc, part, parts = args
     res = {}
-    for name, d, sig in variants():
+    for name, d, sig in variants()[part::parts]:
         ptx, _ = cuda.compile_ptx(d.py_func, sig, cc=cc)
         res[name] = ptx
+    return res
+
+
+def compile_all(cc: Tuple[int, int] = (9, 0), workers: int = 1) -> Dict[str, str]:
+    """{kernel name: PTX} for every variant, compiled for compute capability `cc`, in `workers`
+    processes (each compiles every workers-th variant; one: in this process)."""
+    if workers <= 1:
+        return _compile_slice((cc, 0, 1))
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    res = {}
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for part in ex.map(_compile_slice, [(cc, i, workers) for i in range(workers)]):
+            res.update(part)
     return res
 
 
@@ -119,9 +134,10 @@ def uses_local_memory(ptx: str) -> bool:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cc", default="9.0")
+    ap.add_argument("--workers", type=int, default=1, help="processes compiling in parallel")
     args = ap.parse_args(argv)
     cc = tuple(int(v) for v in args.cc.split("."))
-    for name, ptx in compile_all(cc).items():
+    for name, ptx in compile_all(cc, args.workers).items():
         print(f"{name:45s} {len(ptx):8d} chars  local memory: {'yes' if uses_local_memory(ptx) else 'no'}")
 
 

@@ -1,5 +1,6 @@
 """Every SNACK kernel variant compiles to real sm_90 PTX (numba.cuda.compile_ptx, no GPU needed):
-catches typing errors that the simulator, which runs the kernels as Python, lets through."""
+catches typing errors that the simulator, which runs the kernels as Python, lets through. The
+variants are compiled in one process per core (up to 4)."""
 import os
 import subprocess
 import sys
@@ -8,8 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CODE = """
+import os
 from snack.gpu.ptx import compile_all, variants, uses_local_memory
-res = compile_all((9, 0))
+res = compile_all((9, 0), workers=min(4, os.cpu_count() or 1))
 assert len(res) == len(variants()) > 40, len(res)
 for name, ptx in res.items():
     assert '.target sm_90' in ptx, name
