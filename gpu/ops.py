@@ -413,8 +413,8 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
     if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo):
         nch = wide_chunks(n_cols, device, chunks, batch)[0]
         own = _wide_own(transposed, _short_segments(topo, n_rows, nch))
-        wthreads = min(threads, WIDE_OWN_THREADS) if own else threads
         bound = (WIDE_OWN_BOUND or WIDE_OWN_THREADS) if own else 1024
+        wthreads = min(threads, WIDE_OWN_THREADS, bound) if own else threads
         wp = _wide_plan(n_rows, n_cols, batch, device, wthreads, chunks, split, 65536 // bound)
         if wp is not None:
             nch, cw, cps, nsplit, gy, rpb, smem = wp
