@@ -16,8 +16,9 @@ the graph at each layer; the autograd formula is registered on the forward op.
 (`torch.compiler.is_compiling()`): in eager mode the autograd Function is cheaper on the host
 (a forward through the custom op took ~20 us more, 108 vs 87 us, on a 2-core CPU machine under
 load: CPU backend, 2 x 16 x 16).
-Trade-off: `mode="reduce-overhead"` (CUDA-graph trees) is not verified on the GPU yet (README,
-Known limits); the default mode and aot_eager are.
+The default mode, aot_eager and `mode="reduce-overhead"` (CUDA-graph trees; with gradients
+zeroed by `zero_grad()`'s default, set to None: see README, Known limits) train like eager mode
+(tests/test_compile.py, on the GPU too).
 """
 from __future__ import annotations
 
