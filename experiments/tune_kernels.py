@@ -6,6 +6,10 @@ kernels (column chunks x split x threads), after checking each setting's results
 float64 dense products. Dense cuBLAS is printed alongside for scale. Used to choose the defaults
 in gpu/ops.py (`choose_tile`, `WIDE_FROM`, `_wide_plan`).
 
+With `--wide-modes` the 32-wide SpMMs are also timed in each row mode named (`snack.gpu.ops.wide_mode`:
+auto = the defaults, warp, rows4, own), e.g. the A/B behind `ops.WIDE_OWN`:
+`--batch 32,128 --bt 8 --threads 1024 --chunks auto --split auto --wide-modes warp,own`.
+
 Usage: python experiments/tune_kernels.py [--sparsity 0.9,0.99] [--batch 8,32,128] [--csv out.csv]
 """
 from __future__ import annotations
@@ -30,12 +34,19 @@ def main(argv=None):
     ap.add_argument("--chunks", default="auto,3,4,6,8", help="column chunks of the wide kernels (auto: the default rule)")
     ap.add_argument("--split", default="1,2,auto", help="chunk groups per row block (auto: one chunk per block)")
     ap.add_argument("--wide-from", type=int, default=16, help="smallest B for which wide settings are tried")
+    ap.add_argument("--wide-modes", default="auto",
+                    help="row modes of the wide SpMMs to time (auto,warp,rows4,own; see ops.wide_mode)")
     ap.add_argument("--ops", default="fwd,dx,sddmm")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
     from triton.testing import do_bench_cudagraph
     import snack.gpu as G
     from snack.core import COO
+    from snack.gpu import ops as gops
+    modes = args.wide_modes.split(",")
+    for m in modes:
+        if m not in gops.WIDE_MODES:
+            ap.error(f"--wide-modes: {m!r} is not one of {gops.WIDE_MODES}")
     n_out, n_in = (int(v) for v in args.shape.split("x"))
     ops = args.ops.split(",")
     rows = []
@@ -62,36 +73,42 @@ def main(argv=None):
             t_dense = bench(lambda: torch.mm(x, wdf.T, out=y))
             configs = [dict(bt=bt, wide=False) for bt in _ints(args.bt) if bt == 1 or bt <= 2 * B]
             if B >= args.wide_from:
-                configs += [dict(wide=True, chunks=ch, split=s) for ch in _ints(args.chunks)
-                            for s in _ints(args.split)]
+                configs += [dict(wide=True, chunks=ch, split=s, mode=m) for ch in _ints(args.chunks)
+                            for s in _ints(args.split) for m in modes]
             for cfg in configs:
+                mode = cfg.pop("mode", "auto")
                 sd_cfg = {k: v for k, v in cfg.items() if k != "split"}
                 for th in _ints(args.threads):
                     res = {}
-                    try:
-                        y.fill_(float("nan"))
-                        dx.fill_(float("nan"))
-                        G.spmm(x, topo, v, out=y, threads=th, **cfg)
-                        G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg)
-                        checks = [("fwd", y, yref), ("dx", dx, dxref)]
-                        if "sddmm" in ops:
-                            dv.fill_(float("nan"))
-                            G.sddmm(dy, x, topo, out=dv, threads=th, **sd_cfg)
-                            checks.append(("sddmm", dv, dvref))
-                        for name, got, ref in checks:
-                            err = ((got.double() - ref).norm() / ref.norm()).item()
-                            if not err < 1e-5:
-                                raise AssertionError(f"{name} relative error {err}")
-                        fns = {"fwd": lambda: G.spmm(x, topo, v, out=y, threads=th, **cfg),
-                               "dx": lambda: G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg),
-                               "sddmm": lambda: G.sddmm(dy, x, topo, out=dv, threads=th, **sd_cfg)}
-                        for op in ops:
-                            res[op] = bench(fns[op])
-                    except Exception as e:  # noqa: BLE001
-                        print("failed:", cfg, th, repr(e)[:200])
+                    failed = False
+                    with gops.wide_mode(mode):
+                        try:
+                            y.fill_(float("nan"))
+                            dx.fill_(float("nan"))
+                            G.spmm(x, topo, v, out=y, threads=th, **cfg)
+                            G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg)
+                            checks = [("fwd", y, yref), ("dx", dx, dxref)]
+                            if "sddmm" in ops:
+                                dv.fill_(float("nan"))
+                                G.sddmm(dy, x, topo, out=dv, threads=th, **sd_cfg)
+                                checks.append(("sddmm", dv, dvref))
+                            for name, got, ref in checks:
+                                err = ((got.double() - ref).norm() / ref.norm()).item()
+                                if not err < 1e-5:
+                                    raise AssertionError(f"{name} relative error {err}")
+                            fns = {"fwd": lambda: G.spmm(x, topo, v, out=y, threads=th, **cfg),
+                                   "dx": lambda: G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg),
+                                   "sddmm": lambda: G.sddmm(dy, x, topo, out=dv, threads=th, **sd_cfg)}
+                            for op in ops:
+                                res[op] = bench(fns[op])
+                        except Exception as e:  # noqa: BLE001
+                            print("failed:", cfg, mode, th, repr(e)[:200])
+                            failed = True
+                    if failed:
                         continue
                     if cfg["wide"]:
                         name = f"wide c{cfg['chunks'] or 'a'} s{cfg['split'] or 'a'}"
+                        name += "" if mode == "auto" else f" {mode}"
                     else:
                         name = f"bt{cfg['bt']}"
                     rows.append(dict(sparsity=sp, batch=B, config=name, threads=th, dense=t_dense, **res))

@@ -42,6 +42,7 @@ an fp32 buffer of its own and the parts are summed in order by one torch reducti
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -317,7 +318,7 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     up) (see `_spmm_launch`), or None when no variant fits in shared memory (torch fallback)."""
     mode = _sum_mode()
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
-                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND),
+                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
 
@@ -353,6 +354,32 @@ def _wide_own(transposed: bool, short: bool) -> bool:
     if WIDE_OWN is not None:
         return bool(WIDE_OWN)
     return not transposed and not short
+
+
+WIDE_MODES = ("auto", "warp", "rows4", "own")
+
+
+@contextlib.contextmanager
+def wide_mode(mode: str):
+    """Within the block, the 32-wide SpMMs take their rows in mode `mode`: "auto" (the defaults:
+    WIDE_OWN, WIDE_ROWS4_BELOW), "warp" (a warp per row), "rows4" (a row per group of 8 lanes) or
+    "own" (a row per group of 8 lanes, lanes owning whole non-zeros); the SDDMM and the fused
+    backward keep theirs. For A/B runs (experiments/tune_kernels.py --wide-modes); it sets this
+    module's knobs, so it is not meant for threads running ops at the same time."""
+    global WIDE_OWN, WIDE_ROWS4_BELOW
+    if mode not in WIDE_MODES:
+        raise ValueError(f"mode must be one of {WIDE_MODES}, got {mode!r}")
+    saved = WIDE_OWN, WIDE_ROWS4_BELOW
+    if mode == "warp":
+        WIDE_OWN, WIDE_ROWS4_BELOW = False, 0
+    elif mode == "rows4":
+        WIDE_OWN, WIDE_ROWS4_BELOW = False, 10 ** 9
+    elif mode == "own":
+        WIDE_OWN = True
+    try:
+        yield
+    finally:
+        WIDE_OWN, WIDE_ROWS4_BELOW = saved
 
 
 def _short_segments(topo, n_rows: int, nch: int) -> bool:

@@ -178,3 +178,34 @@ def test_tiled_sddmm_staging_layout_by_density(h200, batch, density, cols):
     assert kern.py_func.__name__.endswith("_cols") == cols, kern.py_func.__name__
     bt = min(8, 1 << (batch - 1).bit_length())
     assert kern is kernels.make_sddmm_kernel(bt, 0, True, cols)
+
+
+@pytest.mark.parametrize("mode,fwd,dx", [
+    ("auto", "own", "warp"), ("warp", "warp", "warp"), ("rows4", "rows4", "rows4"), ("own", "own", "own")])
+def test_wide_spmm_row_mode_by_default_and_by_wide_mode(h200, monkeypatch, mode, fwd, dx):
+    # by default the wide forward runs lane-owned on long segments (512-thread blocks) and dX a
+    # warp per row; ops.wide_mode forces one mode on both SpMMs and restores the knobs after
+    import torch
+    from snack.core import COO
+    monkeypatch.setattr(ops, "_kind_dummy", lambda device, kind: torch.zeros(1))  # no GPU here
+    topo = COO.random((64, 90), density=0.6, seed=3).topology  # one chunk, ~54 per segment
+
+    def kernel(transposed):
+        bound = ops._build_spmm_plan(topo, transposed, 40, 0, "cuda:0", None, 1024, True, None, None, False,
+                                     "atomic")[0]
+        name = bound.dispatcher.py_func.__name__
+        got = "own" if "_own" in name else "rows4" if "_rows4" in name else "warp"
+        assert name.startswith("snack_spmm_wide_") and bound.block == (512 if got == "own" else 1024), name
+        return got
+
+    saved = ops.WIDE_OWN, ops.WIDE_ROWS4_BELOW
+    with ops.wide_mode(mode):
+        assert (kernel(False), kernel(True)) == (fwd, dx)
+    assert (ops.WIDE_OWN, ops.WIDE_ROWS4_BELOW) == saved
+    short = COO.random((64, 90), density=0.1, seed=3).topology  # ~9 per segment: rows4 by default
+    n_rows = short.shape[0]
+    assert ops._short_segments(short, n_rows, 1) and not ops._short_segments(topo, n_rows, 1)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        with ops.wide_mode("rows8"):
+            pass
+    assert (ops.WIDE_OWN, ops.WIDE_ROWS4_BELOW) == saved
