@@ -676,7 +676,29 @@ def _make_col4(ld):
     return col4
 
 
-def _make_stage_quad(ld):
+@cuda.jit(device=True, inline=True)
+def _xor_stage(buf, o, bit, sw):
+    """buf[o + i] <- buf[o + (i ^ bit)] for i = 0..7 when sw, else unchanged (selects only)."""
+    for i in range(8):
+        if (i & bit) == 0:
+            a = buf[o + i]
+            b = buf[o + (i | bit)]
+            buf[o + i] = b if sw else a
+            buf[o + (i | bit)] = a if sw else b
+
+
+@cuda.jit(device=True, inline=True)
+def _xor_perm8(buf, o, u):
+    """buf[o + i] <- buf[o + (i ^ u)] for i = 0..7 (u < 8): 3 stages of conditional swaps, so
+    that a register array is permuted by a lane-dependent amount without local memory."""
+    _xor_stage(buf, o, 1, (u & 1) != 0)
+    _xor_stage(buf, o, 2, (u & 2) != 0)
+    _xor_stage(buf, o, 4, (u & 4) != 0)
+
+
+def _make_stage_quad(ld, plain=False):
+    PLAIN = plain
+
     @cuda.jit(device=True, inline=True)
     def stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads):
         """xs[cl * 32 + 4 * ((j >> 2) ^ (cl & 7)) + (j & 3)] = X[b0 + j, c0 + cl] (0 past the batch).
@@ -686,6 +708,12 @@ def _make_stage_quad(ld):
         instruction reads 4 rows x 8 consecutive columns (4 full 32-byte sectors) and writes 32
         distinct banks; a reader taking the 8 chunks of one column hits 8 distinct bank quads.
         Each thread has its 8 (fast path: 16) loads in flight before it stores them.
+
+        With `plain` (the lane-owned wide kernels): xs[cl * 32 + j] = X[b0 + j, c0 + cl], column
+        cl's 32 batch values in order, every column's chunk K at the same 4 banks. Same loads and
+        store addresses; before the stores each lane permutes its 8 values by K ^ u in registers
+        (selects, `_xor_perm8`), so that store kk writes row 4 * (kk ^ u) + r: still 32 distinct
+        banks per warp store.
         """
         lane = tid & 31
         warp = tid >> 5
@@ -707,6 +735,9 @@ def _make_stage_quad(ld):
                     buf[kk] = ld(x, uint32(src + int32(kk) * rs))
                     buf[kk + 8] = ld(x, uint32(src + step + int32(kk) * rs))
                 _loads_before_stores()  # the loop is warp-uniform
+                if PLAIN:
+                    _xor_perm8(buf, 0, u)
+                    _xor_perm8(buf, 8, u)
                 for kk in range(8):
                     xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
                     xs[uint32((dst + (step << 5)) | ((kk ^ u) << 2))] = buf[kk + 8]
@@ -721,80 +752,8 @@ def _make_stage_quad(ld):
                     v = ld(x, uint32(src + int32(kk) * rs))
                 buf[kk] = v
             if inc:
-                for kk in range(8):
-                    xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
-            cl = int32(cl + step)
-            src = int32(src + step)
-            dst = int32(dst + (step << 5))
-    return stage
-
-
-@cuda.jit(device=True, inline=True)
-def _xor_stage(buf, o, bit, sw):
-    """buf[o + i] <- buf[o + (i ^ bit)] for i = 0..7 when sw, else unchanged (selects only)."""
-    for i in range(8):
-        if (i & bit) == 0:
-            a = buf[o + i]
-            b = buf[o + (i | bit)]
-            buf[o + i] = b if sw else a
-            buf[o + (i | bit)] = a if sw else b
-
-
-@cuda.jit(device=True, inline=True)
-def _xor_perm8(buf, o, u):
-    """buf[o + i] <- buf[o + (i ^ u)] for i = 0..7 (u < 8): 3 stages of conditional swaps, so
-    that a register array is permuted by a lane-dependent amount without local memory."""
-    _xor_stage(buf, o, 1, (u & 1) != 0)
-    _xor_stage(buf, o, 2, (u & 2) != 0)
-    _xor_stage(buf, o, 4, (u & 4) != 0)
-
-
-def _make_stage_plain(ld):
-    @cuda.jit(device=True, inline=True)
-    def stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads):
-        """xs[cl * 32 + j] = X[b0 + j, c0 + cl] (0 past the batch): column cl's 32 batch values in
-        order, every column's 16-byte chunk K at the same 4 banks (the lane-owned wide kernels).
-
-        The loads are those of `_make_stage_quad` (lane (r, u) takes column 8 * m + u of batch rows
-        4K + r, K = 0..7: 4 full 32-byte sectors per warp load). Before the stores each lane
-        permutes its 8 values by K ^ u in registers (selects), so that store kk writes row
-        4 * (kk ^ u) + r: 32 distinct banks per warp store.
-        """
-        lane = tid & 31
-        warp = tid >> 5
-        nwarps = nthreads >> 5
-        r = lane >> 3
-        u = lane & 7
-        cl = int32(warp * 8 + u)
-        w32 = int32(width)
-        step = int32(nwarps * 8)
-        nb = batch - b0  # valid rows in this tile
-        rs = int32(4 * n_cols)
-        src = int32(b0 + r) * int32(n_cols) + int32(c0) + cl
-        dst = (cl << 5) | r
-        if nb >= WIDE:
-            while cl - u + step + 8 <= w32:
-                for kk in range(8):
-                    buf[kk] = ld(x, uint32(src + int32(kk) * rs))
-                    buf[kk + 8] = ld(x, uint32(src + step + int32(kk) * rs))
-                _loads_before_stores()  # the loop is warp-uniform
-                _xor_perm8(buf, 0, u)
-                _xor_perm8(buf, 8, u)
-                for kk in range(8):
-                    xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
-                    xs[uint32((dst + (step << 5)) | ((kk ^ u) << 2))] = buf[kk + 8]
-                cl = int32(cl + 2 * step)
-                src = int32(src + 2 * step)
-                dst = int32(dst + (step << 6))
-        while cl - u < w32:
-            inc = cl < w32
-            for kk in range(8):
-                v = float32(0.0)
-                if inc and 4 * kk + r < nb:
-                    v = ld(x, uint32(src + int32(kk) * rs))
-                buf[kk] = v
-            if inc:
-                _xor_perm8(buf, 0, u)
+                if PLAIN:
+                    _xor_perm8(buf, 0, u)
                 for kk in range(8):
                     xs[uint32(dst | ((kk ^ u) << 2))] = buf[kk]
             cl = int32(cl + step)
@@ -844,7 +803,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     row of its own (as `rows4`), lane k of a group the entries 8i + k of the row's segment, and
     keeps 32 accumulators, one per batch column: a non-zero costs the lane 8 16-byte
     shared-memory reads and 32 FMAs, with no shuffle. The chunk is staged without the swizzle
-    (`_make_stage_plain`: chunk K of every column at the same 4 banks), and lane k reads chunk
+    (`_make_stage_quad(plain=True)`: chunk K of every column at the same 4 banks), and lane k reads chunk
     i ^ k at its i-th read, so the 8 lanes of a quarter warp hit 8 distinct bank quads whatever
     their columns (conflict-free, 4 wavefronts per warp read); accumulator chunk i then holds
     batch columns 4 (i ^ k) .. 4 (i ^ k) + 3, and a transposing butterfly over the group's 8 lanes
@@ -872,7 +831,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     OWN = own
     U = per_lane if own else 1
     ROWG = rows4 or own  # a row per group of 8 lanes
-    stage = _make_stage_plain(ld) if own else _make_stage_quad(ld)
+    stage = _make_stage_quad(ld, plain=own)
     col4 = _make_col4(ld)
 
     @cuda.jit(device=True, inline=True)
