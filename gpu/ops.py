@@ -318,7 +318,7 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     up) (see `_spmm_launch`), or None when no variant fits in shared memory (torch fallback)."""
     mode = _sum_mode()
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
-                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW),
+                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
 
@@ -347,6 +347,12 @@ WIDE_OWN: Optional[bool] = None
 WIDE_OWN_THREADS = 512
 WIDE_OWN_PER_LANE = 4
 WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_THREADS)
+
+
+# Timing decomposition only (results are wrong when set): the 32-wide SpMMs are built with
+# kernels.make_spmm_wide_kernel(probe=WIDE_PROBE), which leaves out the phases its bits name
+# (1 staging, 2 rows, 4 output flush, 8 the lane-owned products). experiments/decompose_wide.py.
+WIDE_PROBE = 0
 
 
 def _wide_own(transposed: bool, short: bool) -> bool:
@@ -450,7 +456,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             sums = mode if nsplit > 1 else None
             kern = kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
                                                  own=own, threads=bound,
-                                                 per_lane=WIDE_OWN_PER_LANE)
+                                                 per_lane=WIDE_OWN_PER_LANE, probe=WIDE_PROBE)
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
             return _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem,
                                 [_seg(topo, transposed, nch, cw), idx, third],

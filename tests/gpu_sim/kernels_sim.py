@@ -305,6 +305,18 @@ def test_wide_staging_fast_path():
     _check_spmm(coo, 40, seed=9, wide=True, chunks=2, split=1, threads=256)
 
 
+@pytest.mark.parametrize("shape,chunks,B", [
+    ((5, 300), 2, 40),   # chunks of 152 columns: 4 whole 32-column groups (warps 0-3), then 24 checked
+    ((3, 600), 1, 32),   # 18 groups over 8 warps (up to 3 rounds each), then 24 checked
+    ((4, 64), 1, 33),    # 2 whole groups, nothing left; the second batch tile (1 row) checked
+])
+def test_wide_staging_of_whole_column_groups(shape, chunks, B, wide_mode):
+    # the staging's fast path (a line of 32 columns per load, 16-byte stores at swizzled or, lane
+    # owned, plain quads) and the checked loop for the columns left, in every op of each mode
+    coo = COO.random(shape, density=0.3, seed=B)
+    _check_wide(wide_mode, coo, B, seed=4, wide=True, chunks=chunks, split=1, threads=256)
+
+
 def _check_spmm(coo, B, seed, **kw):
     g = torch.Generator().manual_seed(seed)
     o, i = coo.shape
