@@ -1,0 +1,89 @@
+"""Where the 32-wide forward SpMM's time goes: the same launch with phases left out.
+
+At one shape, for each sparsity and batch size, times (CUDA-graph replay, median, us) the forward
+`snack.gpu.spmm` on the 32-wide kernels as they run by default, then with the phases named by
+`snack.gpu.ops.WIDE_PROBE`'s bits left out (the results are then wrong, and are not checked):
+staging of the X chunk, the rows, the output flush, the lane-owned products, and all three
+(an empty launch with the same grid and shared memory). Each setting is timed with and without
+the memset that zeroes the output before the kernel adds its column chunks' partial rows
+(without it the outputs are wrong too). The default's result is checked against a float64 dense
+product first.
+
+Usage: python experiments/decompose_wide.py [--shape 4096x4096] [--sparsity 0.9,0.95,0.99]
+           [--batch 32] [--csv out.csv]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+import torch
+
+# (name, probe bits): see snack.gpu.kernels.make_spmm_wide_kernel(probe=)
+SETTINGS = [("full", 0), ("no staging", 1), ("no rows", 2), ("no flush", 4), ("no products", 8),
+            ("staging only", 2 | 4), ("rows only", 1 | 4), ("empty", 1 | 2 | 4)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="4096x4096", help="OUTxIN")
+    ap.add_argument("--sparsity", default="0.9,0.95,0.99")
+    ap.add_argument("--batch", default="32")
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("decompose_wide.py needs a CUDA GPU")
+    from triton.testing import do_bench_cudagraph
+
+    import snack.gpu as G
+    from snack.core import COO
+    from snack.gpu import ops
+
+    def bench(fn):
+        return do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+    n_out, n_in = (int(v) for v in args.shape.split("x"))
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    real_zero = ops.zero
+    for sp in (float(s) for s in args.sparsity.split(",")):
+        coo = COO.random((n_out, n_in), density=1.0 - sp, generator=gen, device=dev)
+        topo, v = coo.topology, coo.values
+        for B in (int(b) for b in args.batch.split(",")):
+            x = torch.randn(B, n_in, device=dev)
+            y = torch.empty(B, n_out, device=dev)
+            y.fill_(float("nan"))
+            G.spmm(x, topo, v, out=y, wide=True)
+            ref = x.double() @ coo.to_dense().double().T
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            if not err < 1e-5:
+                sys.exit(f"the default forward is wrong at sparsity {sp}, B = {B}: relative error {err:.2e}")
+            dense = bench(lambda: torch.nn.functional.linear(x, coo.to_dense()))
+            print(f"sparsity {sp}, B = {B} (dense cuBLAS {dense:.2f} us; relative error {err:.1e})")
+            for name, probe in SETTINGS:
+                times = []
+                for memset in (True, False):
+                    ops.WIDE_PROBE = probe
+                    if not memset:
+                        ops.zero = lambda t: t
+                    try:
+                        times.append(bench(lambda: G.spmm(x, topo, v, out=y, wide=True)))
+                    finally:
+                        ops.WIDE_PROBE = 0
+                        ops.zero = real_zero
+                print(f"  {name:14s} {times[0]:7.2f} us   without the memset {times[1]:7.2f} us", flush=True)
+                rows.append(dict(shape=args.shape, sparsity=sp, batch=B, setting=name, probe=probe,
+                                 us=round(times[0], 3), us_no_memset=round(times[1], 3), dense_us=round(dense, 3)))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        print("wrote", args.csv)
+
+
+if __name__ == "__main__":
+    main()
