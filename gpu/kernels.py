@@ -730,8 +730,9 @@ def _make_stage_quad(ld, plain=False):
         Fast path (a whole batch tile): whole 32-column groups. Warp w takes groups w,
         w + nwarps, ...; lane l column 32 q + l of the group and its 32 batch rows, all 32 loads
         in flight, so that every load instruction reads 32 consecutive columns of one row (one
-        128-byte line; the former layout, 4 rows x 8 columns per instruction, moved a third less
-        per unit of time: H200, 4096 x 4096, B = 32, 95 %, forward 16.3 -> 13.3 us). Store t
+        128-byte line; with the checked loop's pattern below, 4 rows x 8 columns per instruction,
+        the same 128 KB took twice as long: H200, 4096 x 4096, B = 32, 95 %, forward 16.3 ->
+        13.3 us). Store t
         writes chunk t as 4 values at quad t ^ (cl & 7): the 8 lanes of a quarter warp hit 8
         distinct bank quads, 16 bytes each.
         The columns left (fewer than 32), and partial tiles: lane (r, u) of a warp takes column
@@ -1153,7 +1154,8 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
                           f"{'_' + sums if sums else ''}{'_bias' if has_bias else ''}"
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
                           f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
-                          f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}")
+                          f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}"
+                          f"{f'_probe{probe}' if probe else ''}")
     return _jit(spmm_wide, launch_bounds=(threads,))
 
 

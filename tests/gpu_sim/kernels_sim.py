@@ -317,6 +317,22 @@ def test_wide_staging_of_whole_column_groups(shape, chunks, B, wide_mode):
     _check_wide(wide_mode, coo, B, seed=4, wide=True, chunks=chunks, split=1, threads=256)
 
 
+def test_wide_probe_leaves_phases_out_and_is_part_of_the_plan(monkeypatch):
+    # ops.WIDE_PROBE (timing decomposition): without the rows the output is the zeroed tile,
+    # without the flush nothing is written; back to 0, the cached plan is not reused
+    from snack.gpu import ops
+    coo = COO.random((6, 40), density=0.4, seed=5)
+    x = torch.randn(32, 40)
+    ref = spmm_reference(x.double(), coo.topology.indices, coo.values.double(), 6)
+    for probe, check in ((2, lambda y: torch.equal(y, torch.zeros_like(y))),
+                         (4, lambda y: bool(torch.isnan(y).all())),
+                         (0, lambda y: _rel(y, ref) < TOL[torch.float32])):
+        monkeypatch.setattr(ops, "WIDE_PROBE", probe)
+        y = torch.full((32, 6), float("nan"))
+        G.spmm(x, coo.topology, coo.values, out=y, wide=True, chunks=1)
+        assert check(y), probe
+
+
 def _check_spmm(coo, B, seed, **kw):
     g = torch.Generator().manual_seed(seed)
     o, i = coo.shape
