@@ -306,15 +306,38 @@ def test_wide_staging_fast_path():
 
 
 @pytest.mark.parametrize("shape,chunks,B", [
-    ((5, 300), 2, 40),   # chunks of 152 columns: 4 whole 32-column groups (warps 0-3), then 24 checked
-    ((3, 600), 1, 32),   # 18 groups over 8 warps (up to 3 rounds each), then 24 checked
-    ((4, 64), 1, 33),    # 2 whole groups, nothing left; the second batch tile (1 row) checked
+    ((2, 200), 2, 32),   # chunks of 104 columns: 3 whole 32-column groups over 2 warps, 8 checked
+    ((2, 300), 1, 33),   # 9 groups over 2 warps (up to 5 rounds each), 12 checked; a 1-row tile
 ])
 def test_wide_staging_of_whole_column_groups(shape, chunks, B, wide_mode):
     # the staging's fast path (a line of 32 columns per load, 16-byte stores at swizzled or, lane
-    # owned, plain quads) and the checked loop for the columns left, in every op of each mode
+    # owned, plain quads) and the checked loop for the columns left: the forward in each mode
     coo = COO.random(shape, density=0.3, seed=B)
-    _check_wide(wide_mode, coo, B, seed=4, wide=True, chunks=chunks, split=1, threads=256)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(B, shape[1], generator=g)
+    y = torch.full((B, shape[0]), float("nan"))
+    G.spmm(x, coo.topology, coo.values, out=y, wide=True, chunks=chunks, split=1, threads=64)
+    assert _rel(y, spmm_reference(x.double(), coo.topology.indices, coo.values.double(), shape[0])) < TOL[torch.float32]
+
+
+def test_wide_staging_of_whole_column_groups_in_every_op():
+    # the same staging in the SDDMM (X's 200 columns), and in dX and the fused backward (dY's)
+    g = torch.Generator().manual_seed(4)
+    kw = dict(wide=True, chunks=2, threads=64)
+    coo = COO.random((2, 200), density=0.3, seed=7)
+    x, dy = torch.randn(32, 200, generator=g), torch.randn(32, 2, generator=g)
+    dv, db = G.sddmm(dy, x, coo.topology, bias_grad=True, **kw)
+    assert _rel(dv, sddmm_reference(dy.double(), x.double(), coo.topology.indices)) < TOL[torch.float32]
+    assert _rel(db, dy.double().sum(0)) < TOL[torch.float32]
+    coo = COO.random((200, 2), density=0.3, seed=8)
+    x, dy = torch.randn(32, 2, generator=g), torch.randn(32, 200, generator=g)
+    t, v = coo.topology, coo.values
+    dx_ref = spmm_t_reference(dy.double(), t.indices, v.double(), 2)
+    dv_ref = sddmm_reference(dy.double(), x.double(), t.indices)
+    assert _rel(G.spmm_t(dy, t, v, split=1, **kw), dx_ref) < TOL[torch.float32]
+    fdx, fdv, fdb = G.spmm_t_sddmm(dy, x, t, v, bias_grad=True, fused=True, chunks=2, split=1, threads=64)
+    assert _rel(fdx, dx_ref) < TOL[torch.float32] and _rel(fdv, dv_ref) < TOL[torch.float32]
+    assert _rel(fdb, dy.double().sum(0)) < TOL[torch.float32]
 
 
 def test_wide_probe_leaves_phases_out_and_is_part_of_the_plan(monkeypatch):
