@@ -676,45 +676,33 @@ def _make_col4(ld):
     return col4
 
 
-@cuda.jit(device=True, inline=True)
-def _xor_stage(buf, o, bit, sw):
-    """buf[o + i] <- buf[o + (i ^ bit)] for i = 0..7 when sw, else unchanged (selects only)."""
-    for i in range(8):
-        if (i & bit) == 0:
-            a = buf[o + i]
-            b = buf[o + (i | bit)]
-            buf[o + i] = b if sw else a
-            buf[o + (i | bit)] = a if sw else b
+def _make_xor_perm(width: int):
+    """perm(buf, o, u): the 8 groups of `width` values buf[o + width * i ..] <- group i ^ u, for
+    i = 0..7 (u < 8): 3 stages of conditional swaps (selects only), so that a register array is
+    permuted by a lane-dependent amount without local memory."""
+    W = width
+
+    @cuda.jit(device=True, inline=True)
+    def stage(buf, o, bit, sw):
+        """Group i <- group i ^ bit for i = 0..7 when sw, else unchanged."""
+        for i in range(8):
+            if (i & bit) == 0:
+                for e in range(W):
+                    a = buf[o + W * i + e]
+                    b = buf[o + W * (i | bit) + e]
+                    buf[o + W * i + e] = b if sw else a
+                    buf[o + W * (i | bit) + e] = a if sw else b
+
+    @cuda.jit(device=True, inline=True)
+    def perm(buf, o, u):
+        stage(buf, o, 1, (u & 1) != 0)
+        stage(buf, o, 2, (u & 2) != 0)
+        stage(buf, o, 4, (u & 4) != 0)
+    return perm
 
 
-@cuda.jit(device=True, inline=True)
-def _xor_perm8(buf, o, u):
-    """buf[o + i] <- buf[o + (i ^ u)] for i = 0..7 (u < 8): 3 stages of conditional swaps, so
-    that a register array is permuted by a lane-dependent amount without local memory."""
-    _xor_stage(buf, o, 1, (u & 1) != 0)
-    _xor_stage(buf, o, 2, (u & 2) != 0)
-    _xor_stage(buf, o, 4, (u & 4) != 0)
-
-
-@cuda.jit(device=True, inline=True)
-def _xor_stage_quads(buf, bit, sw):
-    """Quad i (buf[4i .. 4i + 3]) <- quad i ^ bit for i = 0..7 when sw, else unchanged."""
-    for i in range(8):
-        if (i & bit) == 0:
-            for e in range(4):
-                a = buf[4 * i + e]
-                b = buf[4 * (i | bit) + e]
-                buf[4 * i + e] = b if sw else a
-                buf[4 * (i | bit) + e] = a if sw else b
-
-
-@cuda.jit(device=True, inline=True)
-def _xor_perm_quads(buf, u):
-    """Quad i <- quad i ^ u for the 8 quads of a 32-value register array (u < 8): 3 stages of
-    conditional swaps (selects), without local memory."""
-    _xor_stage_quads(buf, 1, (u & 1) != 0)
-    _xor_stage_quads(buf, 2, (u & 2) != 0)
-    _xor_stage_quads(buf, 4, (u & 4) != 0)
+_xor_perm8 = _make_xor_perm(1)  # buf[o + i] <- buf[o + (i ^ u)]
+_xor_perm_quads = _make_xor_perm(4)  # quad i (buf[o + 4i .. o + 4i + 3]) <- quad i ^ u
 
 
 def _make_stage_quad(ld, plain=False):
@@ -763,7 +751,7 @@ def _make_stage_quad(ld, plain=False):
                 _loads_before_stores()  # the loop is warp-uniform
                 sw = cq & 7
                 if PLAIN:  # chunk K goes to quad K: store t takes chunk t ^ sw from quad t
-                    _xor_perm_quads(buf, sw)
+                    _xor_perm_quads(buf, 0, sw)
                 for t in range(8):
                     o = uint32((cq << 5) | ((t ^ sw) << 2))
                     xs[o] = buf[4 * t]
