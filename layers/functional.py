@@ -25,6 +25,8 @@ import math
 from typing import Optional
 
 import torch
+from torch.autograd import forward_ad
+from torch._C._functorch import maybe_current_level as _current_level
 
 from . import backend, library
 from snack.core import Topology
@@ -38,24 +40,217 @@ class SparseLinearFunction(torch.autograd.Function):
     """Y (B, out) = X W^T + b for x (B, in) contiguous, W = (topo, values), bias (out,) or None.
 
     Call through `sparse_linear` (which validates and reshapes); apply(x, values, bias, topo).
-    Backward respects ctx.needs_input_grad: dX needs only values, dv only x.
+    Backward respects ctx.needs_input_grad: dX needs only values, dv only x. When the backward
+    itself is differentiated (`create_graph=True`: gradient penalties, Hessian-vector products)
+    it builds dX and dv from `_SpmmT` and `_Sddmm`, which are differentiable in turn (see
+    `_differentiable_gradients`); otherwise from the backend's fused or separate launches.
+    Forward and `setup_context` are separate, and `vmap` is given, so that `torch.func`'s
+    transforms (grad, vjp, jacrev, vmap: per-sample gradients) accept it (see `_vmap_rule`).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, values: torch.Tensor, bias: Optional[torch.Tensor], topo: Topology):
-        y = backend.spmm(x, topo, values, bias=bias)
+    def forward(x: torch.Tensor, values: torch.Tensor, bias: Optional[torch.Tensor], topo: Topology):
+        return backend.spmm(x, topo, values, bias=bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, values, bias, topo = inputs
         ctx.topo = topo
         ctx.has_bias = bias is not None
         need_x, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.save_for_backward(x if need_v else None, values if need_x else None)
-        return y
+        if _forward_mode():
+            ctx.save_for_forward(x, values)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, values = ctx.saved_tensors
+        need_dx, need_dv = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
-        return gradients(dy.contiguous(), x, values, ctx.topo, ctx.needs_input_grad[0],
-                         ctx.needs_input_grad[1], need_db) + (None,)
+        if torch._C._functorch.is_legacy_batchedtensor(dy):
+            raise NotImplementedError(
+                "sparse_linear's backward does not take torch.autograd.grad(..., is_grads_batched=True) "
+                "(its legacy batched gradients); use torch.func.vmap over the vector-Jacobian product, "
+                "or torch.func.jacrev, which SparseLinearFunction supports")
+        dy = dy.contiguous()
+        if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (dy, x, values))) \
+                or _in_functorch():
+            return _differentiable_gradients(dy, x, values, ctx.topo, need_dx, need_dv, need_db) + (None,)
+        return gradients(dy, x, values, ctx.topo, need_dx, need_dv, need_db) + (None,)
+
+    @staticmethod
+    def jvp(ctx, dx, dv, db, _):
+        x, values = ctx.saved_tensors
+        return _tangent(_Spmm, x, values, dx, dv, ctx.topo, db)
+
+    @staticmethod
+    def vmap(info, in_dims, x, values, bias, topo):
+        return _vmap_rule(SparseLinearFunction.apply, info, in_dims, (x, values, bias), topo, fold=True)
+
+
+# Higher-order gradients. The three ops are closed under differentiation: with
+#     Y = spmm(X, v)       Y[b, r]  = sum_k v_k X[b, c_k] [r_k = r]
+#     G = spmm_t(D, v)     G[b, c]  = sum_k v_k D[b, r_k] [c_k = c]
+#     h = sddmm(D, X)      h_k      = sum_b D[b, r_k] X[b, c_k]
+# the vector-Jacobian products are
+#     spmm:   dX = spmm_t(dY, v),   dv = sddmm(dY, X)
+#     spmm_t: dD = spmm(dG, v),     dv = sddmm(D, dG)
+#     sddmm:  dD = spmm(X, dh),     dX = spmm_t(D, dh)
+# so each Function's backward is made of the other two and can be differentiated again, to any
+# order, with nothing of the dense weight's size.
+class _Spmm(torch.autograd.Function):
+    """spmm(x, values) without bias, differentiable to any order."""
+
+    @staticmethod
+    def forward(x, values, topo):
+        return backend.spmm(x, topo, values)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, values, topo = inputs
+        ctx.topo = topo
+        ctx.save_for_backward(x, values)
+        if _forward_mode():
+            ctx.save_for_forward(x, values)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, values = ctx.saved_tensors
+        g = g.contiguous()
+        dx = _SpmmT.apply(g, values, ctx.topo) if ctx.needs_input_grad[0] else None
+        dv = _Sddmm.apply(g, x, ctx.topo) if ctx.needs_input_grad[1] else None
+        return dx, dv, None
+
+    @staticmethod
+    def jvp(ctx, dx, dvalues, _):
+        x, values = ctx.saved_tensors
+        return _tangent(_Spmm, x, values, dx, dvalues, ctx.topo)
+
+    @staticmethod
+    def vmap(info, in_dims, x, values, topo):
+        return _vmap_rule(_Spmm.apply, info, in_dims, (x, values), topo, fold=True)
+
+
+class _SpmmT(torch.autograd.Function):
+    """spmm_t(dy, values) = dY W, differentiable to any order."""
+
+    @staticmethod
+    def forward(dy, values, topo):
+        return backend.spmm_t(dy, topo, values)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        dy, values, topo = inputs
+        ctx.topo = topo
+        ctx.save_for_backward(dy, values)
+        if _forward_mode():
+            ctx.save_for_forward(dy, values)
+
+    @staticmethod
+    def backward(ctx, g):
+        dy, values = ctx.saved_tensors
+        g = g.contiguous()
+        ddy = _Spmm.apply(g, values, ctx.topo) if ctx.needs_input_grad[0] else None
+        dv = _Sddmm.apply(dy, g, ctx.topo) if ctx.needs_input_grad[1] else None
+        return ddy, dv, None
+
+    @staticmethod
+    def jvp(ctx, ddy, dvalues, _):
+        dy, values = ctx.saved_tensors
+        return _tangent(_SpmmT, dy, values, ddy, dvalues, ctx.topo)
+
+    @staticmethod
+    def vmap(info, in_dims, dy, values, topo):
+        return _vmap_rule(_SpmmT.apply, info, in_dims, (dy, values), topo, fold=True)
+
+
+class _Sddmm(torch.autograd.Function):
+    """sddmm(dy, x): h_k = sum_b dY[b, r_k] X[b, c_k], differentiable to any order."""
+
+    @staticmethod
+    def forward(dy, x, topo):
+        return backend.sddmm(dy, x, topo)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        dy, x, topo = inputs
+        ctx.topo = topo
+        ctx.save_for_backward(dy, x)
+        if _forward_mode():
+            ctx.save_for_forward(dy, x)
+
+    @staticmethod
+    def backward(ctx, h):
+        dy, x = ctx.saved_tensors
+        h = h.contiguous()
+        ddy = _Spmm.apply(x, h, ctx.topo) if ctx.needs_input_grad[0] else None
+        dx = _SpmmT.apply(dy, h, ctx.topo) if ctx.needs_input_grad[1] else None
+        return ddy, dx, None
+
+    @staticmethod
+    def jvp(ctx, ddy, dx, _):
+        dy, x = ctx.saved_tensors
+        return _tangent(_Sddmm, dy, x, ddy, dx, ctx.topo)
+
+    @staticmethod
+    def vmap(info, in_dims, dy, x, topo):
+        return _vmap_rule(_Sddmm.apply, info, in_dims, (dy, x), topo, fold=False)
+
+
+def _tangent(f, a, b, da, db, topo, dbias=None):
+    """Forward-mode derivative of the op f, bilinear in (a, b): f(da, b) + f(a, db) (+ dbias,
+    the bias's tangent broadcast over the rows); None when every tangent is None."""
+    out = None
+    if da is not None:
+        out = f.apply(da.contiguous(), b, topo)
+    if db is not None:
+        t = f.apply(a, db.contiguous(), topo)
+        out = t if out is None else out + t
+    if dbias is not None:
+        out = dbias.expand(a.shape[0], dbias.shape[0]) if out is None else out + dbias
+    return out
+
+
+def _forward_mode() -> bool:
+    """Whether forward-mode AD may ask for a jvp (inside `torch.autograd.forward_ad.dual_level`,
+    which torch.func.jvp / jacfwd / hessian enter): only then are inputs saved for it, since
+    `save_for_forward` costs host time on every call."""
+    return forward_ad._current_level >= 0
+
+
+def _in_functorch() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, ...) is running: its tensors are wrappers
+    the backend's kernels cannot read, so the op goes through the Functions, whose `vmap` and
+    `jvp` rules unwrap them. One call (~0.1 us), made on every forward."""
+    return _current_level() is not None
+
+
+def _vmap_rule(apply, info, in_dims, tensors, topo, fold: bool):
+    """torch.func.vmap of an op `apply(*tensors, topo)` whose first tensor is a (B, n) operand.
+    With `fold` (spmm, spmm_t: rows independent) and only the first tensor batched, the vmapped
+    dimension joins the rows: one call on (V * B, n). Otherwise (a batched weight or bias, or the
+    SDDMM, whose sum runs over each sample's own rows) one call per sample, stacked."""
+    if fold and all(d is None for d in in_dims[1:]):
+        a, d = tensors[0], in_dims[0]
+        if d is None:
+            return apply(*tensors, topo), None
+        a = a.movedim(d, 0)
+        v, b = a.shape[0], a.shape[1]
+        y = apply(a.reshape(v * b, a.shape[2]).contiguous(), *tensors[1:], topo)
+        return y.reshape(v, b, y.shape[-1]), 0
+    outs = []
+    for i in range(info.batch_size):
+        args = [t if (t is None or d is None) else t.select(d, i).contiguous() for t, d in zip(tensors, in_dims)]
+        outs.append(apply(*args, topo))
+    return torch.stack(outs), 0
+
+
+def _differentiable_gradients(dy, x, values, topo, need_dx: bool, need_dv: bool, need_db: bool):
+    """(dX, dv, db) as `gradients` returns them, recorded by autograd (create_graph=True)."""
+    dx = _SpmmT.apply(dy, values, topo) if need_dx else None
+    dv = _Sddmm.apply(dy, x, topo) if need_dv else None
+    db = dy.sum(0) if need_db else None
+    return dx, dv, db
 
 
 def gradients(dy, x, values, topo, need_dx: bool, need_dv: bool, need_db: bool):
@@ -157,9 +352,11 @@ def _autocast_inputs(x, values, bias, dev: str):
 
 
 def _apply(x2, values, bias, topo):
-    """The Function when a gradient is wanted; otherwise its forward without autograd's cost."""
+    """The Function when a gradient is wanted (reverse or forward mode) or a torch.func transform
+    runs; otherwise its forward without autograd's cost."""
     if torch.is_grad_enabled() and (x2.requires_grad or values.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+                                    or (bias is not None and bias.requires_grad)) \
+            or _forward_mode() or _in_functorch():
         return SparseLinearFunction.apply(x2, values, bias, topo)
     return backend.spmm(x2, topo, values, bias=bias)
 
@@ -179,7 +376,8 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
         values: (nnz,) of x's dtype and device, entry k the weight at (indices[0, k], indices[1, k]).
         out_features: number of outputs.
         bias: (out_features,) of x's dtype and device, or None.
-    Returns (..., out_features) of x's dtype. Differentiable in x, values and bias.
+    Returns (..., out_features) of x's dtype. Differentiable in x, values and bias, to any order
+    in eager mode (gradient penalties, Hessian-vector products); compiled models: first order.
     """
     _check_tensor("x", x)
     _check_tensor("values", values, dims=1)

@@ -371,3 +371,119 @@ def test_functional_alias():
     import importlib
     assert snack.functional.sparse_linear is sparse_linear
     assert importlib.import_module("snack.functional") is snack.layers.functional
+
+
+# ---- higher-order gradients and torch.func ---------------------------------------------------
+def _sparse_and_dense(seed, out_f=9, in_f=13, density=0.35):
+    """(f(x, v, b) through sparse_linear, the same through a dense weight built from v) and
+    fresh float64 inputs (x (5, in), v, b)."""
+    idx, vals = _coo(out_f, in_f, density=density, seed=seed)
+    g = _gen(seed + 1)
+    x = torch.randn(5, in_f, generator=g, dtype=torch.float64)
+    b = torch.randn(out_f, generator=g, dtype=torch.float64)
+    rows, cols = idx.long()
+
+    def sparse(x, v, b):
+        return sparse_linear(x, idx, v, out_f, b)
+
+    def dense(x, v, b):
+        w = torch.zeros(out_f, in_f, dtype=v.dtype).index_put((rows, cols), v)
+        return x @ w.T + b
+    return sparse, dense, (x, vals, b)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_double_backward_matches_dense(seed):
+    # a gradient penalty differentiates the backward: before the backward was differentiable,
+    # the penalty's gradient silently came out wrong (the first-order gradients did not require grad)
+    sparse, dense, (x, v, b) = _sparse_and_dense(seed)
+    grads = []
+    for f in (sparse, dense):
+        xs, vs, bs = (t.clone().requires_grad_() for t in (x, v, b))
+        y = torch.tanh(f(xs, vs, bs)).pow(2).sum()
+        gx, = torch.autograd.grad(y, xs, create_graph=True)
+        assert gx.requires_grad
+        (y + gx.pow(2).sum()).backward()
+        grads.append((xs.grad, vs.grad, bs.grad))
+    for got, ref in zip(*grads):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    # Hessian-vector products in every argument
+    def loss(f):
+        return lambda *a: torch.tanh(f(*a)).pow(2).sum()
+    vecs = tuple(torch.randn(t.shape, generator=_gen(seed + 7), dtype=torch.float64) for t in (x, v, b))
+    _, h = torch.autograd.functional.hvp(loss(sparse), (x, v, b), vecs)
+    _, hd = torch.autograd.functional.hvp(loss(dense), (x, v, b), vecs)
+    for got, ref in zip(h, hd):
+        assert ref.abs().max() > 1e-3  # a product that is not zero
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_gradgradcheck_and_forward_ad():
+    sparse, _, (x, v, b) = _sparse_and_dense(3)
+    args = tuple(t.clone().requires_grad_() for t in (x, v, b))
+
+    def f(*a):
+        return torch.tanh(sparse(*a))
+    assert torch.autograd.gradcheck(f, args, check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(f, args, check_fwd_over_rev=True)
+    # x alone (a gradcheck over all three would pass even if dX did not depend on x's graph)
+    assert torch.autograd.gradgradcheck(lambda x: f(x, args[1].detach(), args[2].detach()), (args[0],))
+    # third order
+    xs = args[0]
+    g1, = torch.autograd.grad(f(*args).sum(), xs, create_graph=True)
+    g2, = torch.autograd.grad(g1.pow(3).sum(), xs, create_graph=True)
+    assert g2.requires_grad
+    # forward mode with tangents only (nothing requires grad)
+    import torch.autograd.forward_ad as fwad
+    tx, tv = torch.randn_like(x), torch.randn_like(v)
+    _, dense, _ = _sparse_and_dense(3)
+    with fwad.dual_level():
+        y = sparse(fwad.make_dual(x, tx), fwad.make_dual(v, tv), b)
+        tangent = fwad.unpack_dual(y).tangent
+    _, ref = torch.func.jvp(lambda x, v: dense(x, v, b), (x, v), (tx, tv))
+    torch.testing.assert_close(tangent, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_torch_func_transforms_match_dense():
+    sparse, dense, (x, v, b) = _sparse_and_dense(4)
+    close = dict(rtol=1e-10, atol=1e-10)
+
+    def loss(f):
+        return lambda v, xi: torch.tanh(f(xi, v, b)).sum()
+    # per-sample gradients (vmap over grad): the SDDMM runs per sample
+    per = torch.func.vmap(torch.func.grad(loss(sparse)), in_dims=(None, 0))(v, x)
+    assert per.shape == (x.shape[0], v.numel())
+    torch.testing.assert_close(per, torch.func.vmap(torch.func.grad(loss(dense)), in_dims=(None, 0))(v, x), **close)
+    for argnum in (0, 1, 2):  # jacobians in every argument, reverse and forward mode
+        for jac in (torch.func.jacrev, torch.func.jacfwd):
+            torch.testing.assert_close(jac(sparse, argnums=argnum)(x, v, b), jac(dense, argnums=argnum)(x, v, b),
+                                       **close)
+    torch.testing.assert_close(torch.func.hessian(lambda v: loss(sparse)(v, x))(v),
+                               torch.func.hessian(lambda v: loss(dense)(v, x))(v), **close)
+    # vmap over batched inputs (folded into the rows) and over batched values (an ensemble)
+    xs = torch.randn(3, *x.shape, generator=_gen(9), dtype=torch.float64)
+    vs = torch.randn(3, v.numel(), generator=_gen(10), dtype=torch.float64)
+    torch.testing.assert_close(torch.func.vmap(sparse, in_dims=(0, None, None))(xs, v, b),
+                               torch.stack([dense(xi, v, b) for xi in xs]), **close)
+    torch.testing.assert_close(torch.func.vmap(sparse, in_dims=(None, 0, None))(x, vs, b),
+                               torch.stack([dense(x, vi, b) for vi in vs]), **close)
+    torch.testing.assert_close(torch.func.vmap(sparse)(xs, vs, torch.stack([b] * 3)),
+                               torch.stack([dense(xi, vi, b) for xi, vi in zip(xs, vs)]), **close)
+    # the layer through torch.func.functional_call
+    layer = snack.SparseLinear(13, 9, sparsity=0.6, dtype=torch.float64)
+    params = {k: p.detach() for k, p in layer.named_parameters()}
+    per = torch.func.vmap(torch.func.grad(
+        lambda p, xi: torch.func.functional_call(layer, p, (xi,)).pow(2).sum()), in_dims=(None, 0))(params, x)
+    for i in range(x.shape[0]):
+        layer.zero_grad()
+        layer(x[i]).pow(2).sum().backward()
+        torch.testing.assert_close(per["values"][i], layer.values.grad, **close)
+        torch.testing.assert_close(per["bias"][i], layer.bias.grad, **close)
+
+
+def test_legacy_batched_gradients_raise_clearly():
+    sparse, _, (x, v, b) = _sparse_and_dense(5)
+    x = x.requires_grad_()
+    y = sparse(x, v, b)
+    with pytest.raises(NotImplementedError, match="is_grads_batched"):
+        torch.autograd.grad(y, x, torch.randn(2, *y.shape, dtype=y.dtype), is_grads_batched=True)
