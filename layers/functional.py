@@ -7,6 +7,12 @@ The autograd Function builds every gradient from the same three backend ops:
 where the GPU backend fuses the backward (B <= 32 on the 32-wide kernels) dX, dv and db come from
 one launch)
 so nothing of the dense weight's size (out x in) is allocated, in forward or in backward.
+Higher orders: when the backward is itself differentiated (create_graph=True: gradient penalties,
+Hessian-vector products) or a torch.func transform runs, dX and dv come from the Functions
+`_SpmmT` and `_Sddmm`, whose backward and jvp are made of the same three ops again (see the
+comment above `_Spmm`), so torch.func.grad / vjp / jvp / jacrev / jacfwd / hessian and vmap work
+(per-sample gradients: one SDDMM per sample). Not supported: `torch.autograd.grad(...,
+is_grads_batched=True)` (NotImplementedError) and double backward through torch.compile.
 When no gradient is wanted (torch.no_grad, or nothing requires grad) the forward runs without
 the autograd Function, saving its host overhead on every inference call. While torch.compile
 traces it, the op is `torch.ops.snack.sparse_linear` instead (layers/library.py: the same backend
