@@ -10,11 +10,16 @@ and returned with `summary=True`; printing it gives a table.
 Trade-off: selection by magnitude needs the dense weights (they exist already); layers whose
 weight is shared with another module (tied embeddings, e.g. GPT-2's lm_head) and the output
 projection inside nn.MultiheadAttention (which reads `.weight` directly) are left dense and
-listed as skipped, because replacing them would silently untie or break them.
+listed as skipped, because replacing them would silently untie or break them. So are, with a
+warning, subclasses of nn.Linear with a forward of their own, modules with hooks and modules
+with a parametrized weight (replacing them would drop that behaviour). nn.TransformerEncoder
+(Layer)s whose feed-forward layers were replaced leave their inference fast path (which reads
+the dense weights) and run their ordinary forward.
 """
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -125,6 +130,38 @@ def _dense_of(m: nn.Module):
     return None
 
 
+def _unsafe_to_replace(m: nn.Module) -> str:
+    """Why replacing module m would change what the model computes, or "" if it is safe: a
+    subclass of nn.Linear with a forward of its own (its extra behaviour would be lost), hooks
+    registered on the module (they would stay behind on the dense one) or a parametrized weight
+    (torch.nn.utils.parametrize, weight_norm, spectral_norm)."""
+    t = type(m)
+    if isinstance(m, nn.Linear) and t.forward is not nn.Linear.forward:
+        return f"{t.__name__} subclasses nn.Linear with a forward of its own"
+    hooks = [k for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+             if getattr(m, k, None)]
+    if hooks:
+        return (f"has hooks ({', '.join(h.strip('_').replace('_', ' ') for h in hooks)}); register them "
+                "after sparsify")
+    if getattr(m, "parametrizations", None) is not None:
+        return "its weight is parametrized (torch.nn.utils.parametrize)"
+    return ""
+
+
+def _leave_transformer_fast_path(model: nn.Module) -> None:
+    """nn.TransformerEncoder(Layer)'s inference fast path reads linear1/linear2's dense `.weight`;
+    where those became SparseLinear the layers take their ordinary path instead (the same
+    result, computed by the modules)."""
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoderLayer) and (isinstance(m.linear1, SparseLinear)
+                                                           or isinstance(m.linear2, SparseLinear)):
+            m.activation_relu_or_gelu = 0  # read only by the fast path's checks
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoder) and any(
+                isinstance(l, nn.TransformerEncoderLayer) and not l.activation_relu_or_gelu for l in m.layers):
+            m.use_nested_tensor = False  # the encoder's own fast path reads the first layer's weights
+
+
 def _as_patterns(name: str, p) -> List[Pattern]:
     if p is None:
         return []
@@ -190,12 +227,15 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
             owners.setdefault(id(p), set()).add(id(m))
     report = SparsifySummary(distribution=distribution, sparsity=sparsity)
     chosen = []          # (name, module, kind, weight (out, in), bias)
+    unexpected = []      # skipped for a reason the user may not expect (warned)
+    linear_names = []
     seen = set()
     for name, m in model.named_modules():
         d = _dense_of(m)
         if d is None or id(m) in seen:
             continue
         seen.add(id(m))
+        linear_names.append(name)
         if (inc and not _matches(inc, name, m)) or (exc and _matches(exc, name, m)):
             continue
         kind, w, b = d
@@ -205,7 +245,24 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
         if isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear):
             report.skipped.append((name, "output projection of nn.MultiheadAttention (reads .weight)"))
             continue
+        why = _unsafe_to_replace(m)
+        if why:
+            report.skipped.append((name, why))
+            unexpected.append(f"{name}: {why}")
+            continue
         chosen.append((name, m, kind, w, b))
+    if unexpected:
+        warnings.warn("sparsify left these layers dense:\n  " + "\n  ".join(unexpected), stacklevel=2)
+    for label, patterns in (("include", inc), ("exclude", exc)):
+        for q in patterns:
+            if isinstance(q, str) and not any(fnmatch.fnmatchcase(n, q) for n in linear_names):
+                warnings.warn(f"sparsify: the {label} pattern {q!r} matches no nn.Linear / Conv1D module "
+                              f"(their names: {', '.join(linear_names[:8]) or 'none'}"
+                              f"{', ...' if len(linear_names) > 8 else ''})", stacklevel=2)
+    if not linear_names and any(isinstance(m, SparseLinear) for m in model.modules()):
+        warnings.warn("sparsify: the model holds no dense nn.Linear / Conv1D left to replace (it is "
+                      "sparse already; to change a SparseLinear's sparsity, rebuild it with "
+                      "SparseLinear.from_dense(layer.to_dense(), sparsity=...))", stacklevel=2)
 
     shapes = [tuple(w.shape) for _, _, _, w, _ in chosen]
     if distribution == "erk":
@@ -240,6 +297,7 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
             for cname, child in list(parent._modules.items()):
                 if child is not None and id(child) in replaced:
                     setattr(parent, cname, replaced[id(child)])
+        _leave_transformer_fast_path(model)
     last_summary = report
     sparsify.last_summary = report  # also reachable as snack.sparsify.last_summary
     return (result, report) if summary else result

@@ -224,3 +224,68 @@ def test_summary_table_and_bad_args():
         sparsify("model")
     empty, s0 = sparsify(nn.ReLU(), 0.5, summary=True)
     assert s0.rows == [] and s0.nnz == 0
+
+
+def test_transformer_encoder_keeps_working_in_eval_mode():
+    # nn.TransformerEncoder(Layer)'s inference fast path reads linear1/linear2's dense .weight;
+    # once they are sparse the layers must take their ordinary path and give the dense result
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                enable_nested_tensor=True).eval()
+    x = torch.randn(3, 5, 8)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    with torch.no_grad():
+        ref = enc(x, src_key_padding_mask=pad)
+        ref_layer = enc.layers[0](x)
+    sparse = sparsify(_copy(enc), 0.0)  # every connection kept: the same function
+    assert isinstance(sparse.layers[0].linear1, SparseLinear) and isinstance(sparse.layers[1].linear2, SparseLinear)
+    with torch.no_grad():
+        got = sparse(x, src_key_padding_mask=pad)
+        got_layer = sparse.layers[0](x)
+    keep = ~pad  # the fast path leaves padded positions at 0, the ordinary path computes them
+    torch.testing.assert_close(got[keep], ref[keep], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_layer, ref_layer, rtol=1e-5, atol=1e-5)
+    # and it trains
+    sparse.train()
+    sparse(x, src_key_padding_mask=pad).sum().backward()
+    assert sparse.layers[0].linear1.values.grad is not None
+
+
+def test_subclasses_hooks_and_parametrizations_are_left_dense_with_a_warning():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Plain(nn.Linear):  # no forward of its own: replaced like nn.Linear
+        pass
+
+    hooked = nn.Linear(6, 6)
+    calls = []
+    hooked.register_forward_hook(lambda *a: calls.append(1))
+    param = nn.utils.parametrizations.weight_norm(nn.Linear(6, 6))
+    model = nn.Sequential(Scaled(6, 6), Plain(6, 6), hooked, param, nn.Linear(6, 6))
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        y0 = model[0](x)
+    with pytest.warns(UserWarning, match="left these layers dense") as rec:
+        model, s = sparsify(model, 0.5, summary=True)
+    text = str(rec[0].message)
+    assert "Scaled" in text and "hooks" in text and "parametrized" in text
+    assert {n for n, _ in s.skipped} == {"0", "2", "3"}
+    assert type(model[0]) is Scaled and type(model[2]) is nn.Linear and not isinstance(model[3], SparseLinear)
+    assert isinstance(model[1], SparseLinear) and isinstance(model[4], SparseLinear)
+    torch.testing.assert_close(model[0](x), y0)
+    model(x)
+    assert calls == [1]
+
+
+def test_warns_when_nothing_matches_or_model_is_already_sparse():
+    with pytest.warns(UserWarning, match="include pattern 'decoder.*' matches no"):
+        sparsify(_mlp(), 0.5, include="decoder.*")
+    with pytest.warns(UserWarning, match="exclude pattern 'x' matches no"):
+        sparsify(_mlp(), 0.5, exclude=["x"])
+    model = sparsify(_mlp(), 0.5)
+    with pytest.warns(UserWarning, match="sparse already"):
+        sparsify(model, 0.9)
+    assert all(m.density == pytest.approx(0.5, abs=0.02) for m in model.modules() if isinstance(m, SparseLinear))
