@@ -161,7 +161,9 @@ class DynamicSparseTraining:
     (`grow_scores`, or `grow` itself).
 
     Args:
-        model: an nn.Module; every snack.SparseLinear in it is updated (or only `layers`).
+        model: an nn.Module; every snack.SparseLinear in it is updated (or only `layers`),
+            except frozen ones (values.requires_grad False), which keep their pattern and are
+            listed in `skipped`.
         optimizer: the torch.optim optimizer that holds each layer's `values` parameter; its
             (nnz,) state tensors (Adam's exp_avg / exp_avg_sq, momentum buffers, ...) are
             permuted with the connections on every update; scalar state (step) is left alone.
@@ -176,7 +178,8 @@ class DynamicSparseTraining:
         seed: seeds this object's own CPU generator (the random choices of an update); by default
             a seed is drawn from torch's global generator, so torch.manual_seed repeats a run.
             The same seed gives the same patterns on CPU and CUDA.
-        layers: an iterable of SparseLinear modules to update instead of all those in `model`.
+        layers: an iterable of SparseLinear modules to update instead of all those in `model`
+            (a frozen one raises ValueError).
 
     Call `step()` once per training step, after optimizer.step(). Per layer and update, exactly
     as many connections are grown as dropped (nnz never changes), no coordinate appears twice,
@@ -213,11 +216,20 @@ class DynamicSparseTraining:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
 
         names = {id(m): n for n, m in model.named_modules()}
+        #: (name, layer) of the SparseLinear layers left alone because they are frozen
+        self.skipped: List[Tuple[str, SparseLinear]] = []
         if layers is None:
             found = [m for m in model.modules() if isinstance(m, SparseLinear)]
             if not found:
                 raise ValueError(f"model ({type(model).__name__}) holds no snack.SparseLinear layer; "
                                  "convert it with snack.sparsify(model) first")
+            # a frozen layer (values.requires_grad False) keeps its pattern: regrown connections
+            # would start at 0 and never train
+            self.skipped = [(names.get(id(m), ""), m) for m in found if not m.values.requires_grad]
+            found = [m for m in found if m.values.requires_grad]
+            if not found:
+                raise ValueError(f"every snack.SparseLinear of model ({type(model).__name__}) is frozen "
+                                 "(values.requires_grad is False): there is nothing to train")
         else:
             if isinstance(layers, nn.Module):
                 layers = [layers]
@@ -225,6 +237,9 @@ class DynamicSparseTraining:
             for i, m in enumerate(layers):
                 if not isinstance(m, SparseLinear):
                     raise TypeError(f"layers[{i}] must be a snack.SparseLinear, got {type(m).__name__}")
+                if not m.values.requires_grad:
+                    raise ValueError(f"layers[{i}] is frozen (values.requires_grad is False): its regrown "
+                                     "connections would start at 0 and never train")
                 if all(m is not f for f in found):
                     found.append(m)
             if not found:
@@ -247,6 +262,10 @@ class DynamicSparseTraining:
         if end_step is None and total_steps is not None:
             end_step = max(1, int(0.75 * total_steps))
         self.end_step = end_step
+        if end_step is not None and end_step <= update_every:
+            warnings.warn(f"{type(self).__name__}: end_step={end_step} <= update_every={update_every}, so no "
+                          "update will ever happen (updates run at steps update_every, 2 * update_every, "
+                          "... before end_step)", stacklevel=2)
         self.decay = decay
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed

@@ -338,7 +338,7 @@ def test_cosine_schedule_values():
         assert cosine_drop_fraction(t, 0.3, 750) == pytest.approx(dst.drop_fraction_at(t))
     assert [t for t in range(1, 1001) if dst.is_update_step(t)] == [100, 200, 300, 400, 500, 600, 700]
     dst.remove_hooks()
-    const = SET(model, opt, end_step=50, decay="constant", drop_fraction=0.2)
+    const = SET(model, opt, update_every=10, end_step=50, decay="constant", drop_fraction=0.2)
     assert const.drop_fraction_at(10) == 0.2 and const.drop_fraction_at(50) == 0.0
     forever = SET(model, opt, update_every=10)                     # no horizon: constant, never stops
     assert forever.end_step is None and forever.drop_fraction_at(10**6) == 0.3
@@ -564,3 +564,37 @@ def test_cuda_graph_captured_before_update_replays_new_pattern():
         idx = layer.indices.long()
         torch.testing.assert_close(got_loss.double(), ref.detach(), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(got_grad.double(), w.grad[idx[0], idx[1]], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("cls", [SET, RigL])
+def test_frozen_layers_keep_their_pattern(cls):
+    # a frozen layer's regrown connections would start at 0 and never train: it is left alone,
+    # also when the optimizer holds only the trainable parameters
+    model = _mlp()
+    l1, l2, l3 = _sparse(model)
+    l1.values.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    dst = cls(model, opt, update_every=1, seed=0, decay="constant")
+    assert [m for _, m in dst.layers] == [l2, l3] and [(n, m) for n, m in dst.skipped] == [("0", l1)]
+    before = [l.indices.clone() for l in (l1, l2, l3)]
+    for x, y in _data(2):
+        opt.zero_grad()
+        _train_step(model, opt, x, y)
+        dst.step()
+    assert torch.equal(before[0], l1.indices)
+    assert not torch.equal(before[1], l2.indices) and not torch.equal(before[2], l3.indices)
+    with pytest.raises(ValueError, match=r"layers\[0\] is frozen"):
+        cls(model, opt, layers=[l1])
+    for l in (l2, l3):
+        l.values.requires_grad_(False)
+    with pytest.raises(ValueError, match="every snack.SparseLinear .* is frozen"):
+        cls(model, opt)
+
+
+def test_schedule_without_any_update_warns():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="no update will ever happen"):
+        SET(model, opt, update_every=5, end_step=5)
+    with pytest.warns(UserWarning, match="no update will ever happen"):
+        SET(model, opt, update_every=100, total_steps=100)  # end_step 75
