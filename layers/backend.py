@@ -78,7 +78,16 @@ def get_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
     shape = (int(shape[0]), int(shape[1]))
-    key = (_version_of(indices), indices.data_ptr(), shape)
+    version = _version_of(indices)
+    if version < 0:
+        # an inference tensor (made under torch.inference_mode) has no version counter, so an
+        # in-place change could not be seen: its topology is rebuilt, and validated, every call
+        _warn_once("inference-indices",
+                   "indices is an inference tensor (created under torch.inference_mode): it has no "
+                   "version counter, so its topology is rebuilt and validated on every call (slow); "
+                   "create the layer or indices outside inference_mode to have it cached")
+        return _build_persistent(indices, _build_topology, indices, shape)
+    key = (version, indices.data_ptr(), shape)
     tid = id(indices)
     cached = _TOPOLOGIES.get(tid)
     if cached is not None and cached[1] == key and cached[0]() is indices:

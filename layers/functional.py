@@ -28,6 +28,7 @@ capturable; indices must therefore already be canonical row-major.
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from typing import Optional
 
 import torch
@@ -387,8 +388,9 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
     """
     _check_tensor("x", x)
     _check_tensor("values", values, dims=1)
-    if isinstance(out_features, bool) or not isinstance(out_features, int):
+    if isinstance(out_features, bool) or not isinstance(out_features, Integral):
         raise TypeError(f"out_features must be an int, got {type(out_features).__name__}")
+    out_features = int(out_features)  # (numpy integers too)
     if out_features < 0:
         raise ValueError(f"out_features must be >= 0, got {out_features}")
     if x.dim() == 0:

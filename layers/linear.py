@@ -9,12 +9,16 @@ Because `values` is an ordinary dense parameter, every torch.optim optimizer, gr
 AMP's GradScaler and DDP work unchanged; the optimizer state is (nnz,) too.
 Trade-off: the number of connections is fixed at construction (dynamic sparse training changes
 which connections, never how many), which keeps every buffer's shape and address stable, so a
-training step can be captured once in a CUDA graph and replayed.
+training step can be captured once in a CUDA graph and replayed. The one exception is
+`load_state_dict` of a checkpoint with another nnz (a layer made by `from_dense`, or at another
+sparsity): the layer takes the checkpoint's connections (build the optimizer, and capture graphs,
+after loading).
 """
 from __future__ import annotations
 
 import math
-from numbers import Real
+import warnings
+from numbers import Integral, Real
 from typing import Optional, Union
 
 import torch
@@ -27,11 +31,23 @@ __all__ = ["SparseLinear"]
 
 
 def _check_features(name: str, n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
+    if isinstance(n, bool) or not isinstance(n, Integral):  # int, numpy integers
         raise TypeError(f"{name} must be an int, got {type(n).__name__}")
     if n <= 0:
         raise ValueError(f"{name} must be a positive int, got {n}")
-    return n
+    return int(n)
+
+
+def _check_dtype(dtype) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (float32, float64, float16, bfloat16) "
+                        f"or None, got {dtype!r}")
+
+
+def _warn_if_empty(nnz: int, shape, how: str) -> None:
+    if nnz == 0:
+        warnings.warn(f"SparseLinear {shape[1]} -> {shape[0]} holds no connection ({how}): its output "
+                      "is the bias alone and no weight will train", stacklevel=3)
 
 
 def _check_sparsity(sparsity) -> float:
@@ -82,12 +98,19 @@ class SparseLinear(nn.Module):
         in_features = _check_features("in_features", in_features)
         out_features = _check_features("out_features", out_features)
         sparsity = _check_sparsity(sparsity)
+        _check_dtype(dtype)
         nnz = density_to_nnz((out_features, in_features), density=1.0 - sparsity)
-        seed = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
-        idx = uniform_indices((out_features, in_features), nnz=nnz,
-                              generator=torch.Generator().manual_seed(seed))
+        if sparsity > 0:
+            _warn_if_empty(nnz, (out_features, in_features), f"sparsity={sparsity} of "
+                           f"{out_features * in_features} weights rounds to 0 connections")
+        # the pattern is drawn on the CPU (following torch.manual_seed) whatever the default
+        # device, then moved: under `with torch.device("meta")` the layer is built on meta
+        with torch.device("cpu"):
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+            idx = uniform_indices((out_features, in_features), nnz=nnz,
+                                  generator=torch.Generator().manual_seed(seed))
         factory = {"device": device, "dtype": dtype}
-        self._setup(in_features, out_features, idx.to(device=device),
+        self._setup(in_features, out_features, idx.to(device=torch.empty(0, device=device).device),
                     torch.empty(nnz, **factory),
                     torch.empty(out_features, **factory) if bias else None)
         self.reset_parameters()
@@ -159,6 +182,43 @@ class SparseLinear(nn.Module):
             _static_address(self._buffers["indices"])
         return out
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A checkpoint may hold another number of connections than this layer (a layer built by
+        # from_dense or with another sparsity): the layer takes the checkpoint's. values and
+        # indices are resized here (same Parameter object, same dtype and device) and then
+        # filled by the default copy; indices stay int32 (an int64 checkpoint is cast).
+        idx = state_dict.get(prefix + "indices")
+        val = state_dict.get(prefix + "values")
+        if isinstance(idx, torch.Tensor) and isinstance(val, torch.Tensor):
+            if idx.dim() != 2 or idx.shape[0] != 2 or val.dim() != 1 or val.shape[0] != idx.shape[1]:
+                error_msgs.append(f"{prefix}indices / {prefix}values: expected shapes (2, nnz) and (nnz,), "
+                                  f"got {tuple(idx.shape)} and {tuple(val.shape)}")
+                return
+            if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+                error_msgs.append(f"{prefix}indices must be an integer tensor, got {idx.dtype}")
+                return
+            nnz = int(idx.shape[1])
+            if nnz and idx.device.type != "meta":
+                lo, hi = idx.amin(dim=1).tolist(), idx.amax(dim=1).tolist()
+                if min(lo) < 0 or hi[0] >= self.out_features or hi[1] >= self.in_features:
+                    error_msgs.append(
+                        f"{prefix}indices hold rows {lo[0]}..{hi[0]} and columns {lo[1]}..{hi[1]}, outside this "
+                        f"layer's {self.out_features} x {self.in_features} weight (a checkpoint of another shape?)")
+                    return
+            if nnz != self.nnz:
+                with torch.no_grad():
+                    self.values.data = self.values.new_empty(nnz)
+                self._buffers["indices"] = _static_address(
+                    torch.empty(2, nnz, dtype=INDEX_DTYPE, device=self.indices.device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        ind = self._buffers.get("indices")
+        if ind is not None and (ind.dtype != INDEX_DTYPE or not ind.is_contiguous()):  # load_state_dict(assign=True)
+            self._buffers["indices"] = _static_address(ind.to(INDEX_DTYPE).contiguous())
+        elif ind is not None:
+            _static_address(ind)
+
     # ---- conversion ----------------------------------------------------------------------------
     @classmethod
     def from_dense(cls, weight_or_linear: Union[torch.Tensor, nn.Linear], *,
@@ -199,6 +259,11 @@ class SparseLinear(nn.Module):
                 raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
             if tuple(mask.shape) != (out_f, in_f):
                 raise ValueError(f"mask must have the weight's shape {(out_f, in_f)}, got {tuple(mask.shape)}")
+            if mask.dtype != torch.bool:
+                odd = ~((mask == 0) | (mask == 1))
+                if bool(odd.any()):
+                    raise ValueError("mask must be bool or hold only 0 and 1, got the value "
+                                     f"{mask[odd].flatten()[0].item()!r} (e.g. at {tuple(odd.nonzero()[0].tolist())})")
             keep = mask.to(device=wd.device) != 0
             idx = keep.nonzero().t()                       # row-major order
         elif sparsity is None:
@@ -206,6 +271,9 @@ class SparseLinear(nn.Module):
         else:
             sparsity = _check_sparsity(sparsity)
             k = density_to_nnz((out_f, in_f), density=1.0 - sparsity)
+            if sparsity > 0:
+                _warn_if_empty(k, (out_f, in_f), f"sparsity={sparsity} of {out_f * in_f} weights "
+                               "rounds to 0 connections")
             order = torch.sort(wd.abs().flatten(), descending=True, stable=True).indices[:k]
             keys = torch.sort(order).values
             idx = torch.stack([keys // in_f, keys % in_f])

@@ -382,6 +382,7 @@ def test_end_step_stops_updates():
 
 # ---- edge cases --------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", [SET, RigL])
+@pytest.mark.filterwarnings("ignore:SparseLinear .* holds no connection")
 def test_empty_dense_and_nearly_dense_layers(cls):
     torch.manual_seed(0)
     model = nn.Sequential(SparseLinear(6, 5, sparsity=0.99),   # nnz = 0

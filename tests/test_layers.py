@@ -119,6 +119,7 @@ def test_wrong_input_width():
 
 # ---- from_dense ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape,sparsity", [((40, 96), 0.9), ((7, 333), 0.5), ((1, 1), 0.0), ((5, 3), 0.99)])
+@pytest.mark.filterwarnings("ignore:SparseLinear .* holds no connection")
 def test_from_dense_keeps_largest(shape, sparsity):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -179,6 +180,41 @@ def test_from_dense_linear_mask_and_nonzeros():
     assert not SparseLinear.from_dense(lin, sparsity=0.5).values.requires_grad
 
 
+def test_from_dense_mask_must_be_bool_or_zero_one():
+    w = torch.randn(3, 4)
+    for ok in (torch.ones(3, 4), torch.ones(3, 4, dtype=torch.int64), torch.eye(3, 4, dtype=torch.uint8)):
+        assert SparseLinear.from_dense(w, mask=ok).nnz == int((ok != 0).sum())
+    for bad, shown in ((torch.full((3, 4), 0.3), "0.3"), (torch.tensor([[1, 0, 2, 0]] * 3), "2"),
+                       (torch.full((3, 4), float("nan")), "nan"), (-torch.ones(3, 4), "-1")):
+        with pytest.raises(ValueError, match=f"mask must be bool or hold only 0 and 1, got the value {shown}"):
+            SparseLinear.from_dense(w, mask=bad)
+
+
+def test_construction_checks_dtype_warns_when_empty_and_takes_numpy_ints():
+    import numpy as np
+    with pytest.raises(TypeError, match="dtype must be a floating"):
+        SparseLinear(3, 3, dtype=torch.int32)
+    with pytest.warns(UserWarning, match="holds no connection"):
+        assert SparseLinear(2, 2, sparsity=0.9).nnz == 0
+    with pytest.warns(UserWarning, match="holds no connection"):
+        assert SparseLinear.from_dense(torch.randn(2, 3), sparsity=0.95).nnz == 0
+    layer = SparseLinear(np.int64(5), np.int32(3), sparsity=0.0)
+    assert type(layer.in_features) is int and layer.nnz == 15
+
+
+def test_construction_under_a_default_device_context():
+    torch.manual_seed(3)
+    ref = SparseLinear(20, 10)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        meta = SparseLinear(20, 10)
+    assert meta.values.is_meta and meta.indices.is_meta and meta.bias.is_meta
+    layer = meta.to_empty(device="cpu")
+    layer.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 20)
+    assert torch.equal(layer(x), ref(x))
+
+
 # ---- state, serialisation, moves ----------------------------------------------------------------
 def test_state_dict_round_trip_bit_for_bit():
     torch.manual_seed(5)
@@ -194,6 +230,54 @@ def test_state_dict_round_trip_bit_for_bit():
     for k in sd:
         assert torch.equal(getattr(b, k), sd[k]) and getattr(b, k).dtype == sd[k].dtype
     assert torch.equal(a(x), b(x))    # the cached topology was rebuilt from the loaded indices
+
+
+def test_state_dict_of_another_nnz_loads():
+    # a checkpoint with another number of connections (from_dense, another sparsity) loads into a
+    # freshly built layer: values and indices take its size, indices stay int32
+    torch.manual_seed(8)
+    src = SparseLinear.from_dense(nn.Linear(20, 12), mask=torch.rand(12, 20) < 0.3)
+    x = torch.randn(3, 20)
+    for assign in (False, True):
+        dst = SparseLinear(20, 12, sparsity=0.9)
+        values = dst.values
+        dst(x)                                             # a cached topology of the old pattern
+        sd = {k: v.clone() for k, v in src.state_dict().items()}
+        sd["indices"] = sd["indices"].long()               # e.g. written by another tool
+        dst.load_state_dict(sd, assign=assign)
+        assert dst.nnz == src.nnz != 24 and dst.indices.dtype == torch.int32
+        assert (dst.values is values) != assign            # the same Parameter unless assign=True
+        assert torch.equal(dst(x), src(x))
+        opt = torch.optim.Adam(dst.parameters())
+        dst(x).sum().backward()
+        opt.step()
+    # a checkpoint of another shape is refused before anything changes
+    small = SparseLinear(5, 4, sparsity=0.5)
+    before = {k: v.clone() for k, v in small.state_dict().items()}
+    with pytest.raises(RuntimeError, match="outside this layer's 4 x 5 weight"):
+        small.load_state_dict(src.state_dict())
+    for k, v in small.state_dict().items():
+        assert torch.equal(v, before[k])
+    bad = dict(src.state_dict(), values=src.values.detach()[:-1])
+    with pytest.raises(RuntimeError, match=r"expected shapes \(2, nnz\) and \(nnz,\)"):
+        SparseLinear(20, 12).load_state_dict(bad)
+
+
+def test_indices_made_under_inference_mode_are_never_stale():
+    # inference tensors have no version counter: their topology is rebuilt every call, so an
+    # in-place change is seen (and validated) instead of reading a stale pattern
+    from snack.functional import sparse_linear
+    with torch.inference_mode():
+        idx = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)
+        v = torch.tensor([1.0, 2.0])
+        x = torch.tensor([[10.0, 100.0]])
+        with pytest.warns(RuntimeWarning, match="inference tensor"):
+            assert sparse_linear(x, idx, v, 2).tolist() == [[10.0, 200.0]]
+        idx[1, 1] = 0
+        assert sparse_linear(x, idx, v, 2).tolist() == [[10.0, 20.0]]
+        idx[0, 1] = 7
+        with pytest.raises(ValueError, match="rows"):
+            sparse_linear(x, idx, v, 2)
 
 
 def test_torch_save_load(tmp_path):
