@@ -51,6 +51,8 @@ def _warn_if_empty(nnz: int, shape, how: str) -> None:
 
 
 def _check_sparsity(sparsity) -> float:
+    if isinstance(sparsity, torch.Tensor) and sparsity.numel() == 1 and sparsity.is_floating_point():
+        sparsity = float(sparsity)
     if isinstance(sparsity, bool) or not isinstance(sparsity, Real) or math.isnan(sparsity) \
             or not 0.0 <= float(sparsity) < 1.0:
         raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")

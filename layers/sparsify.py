@@ -167,7 +167,7 @@ def _as_patterns(name: str, p) -> List[Pattern]:
         return []
     if isinstance(p, str) or callable(p):
         return [p]
-    if isinstance(p, Sequence):
+    if isinstance(p, (Sequence, set, frozenset)):
         for q in p:
             if not (isinstance(q, str) or callable(q)):
                 raise TypeError(f"{name} must hold name patterns (str) or callables (name, module) -> bool, "
@@ -202,7 +202,8 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
         distribution: "uniform" (each layer at `sparsity`) or "erk" (per-layer densities from
             `snack.core.erk_densities`: small layers denser, same total connections; layers
             that would exceed density 1 stay fully connected, still as SparseLinear).
-        include: name pattern(s) (fnmatch on the qualified module name, e.g. "encoder.*") or
+        include: name pattern(s) (fnmatch on the qualified module name, e.g. "encoder.*"; one, or a
+            list, tuple or set of them) or
             callables (name, module) -> bool; only matching layers are replaced (default: all).
         exclude: the same; matching layers are left dense (applied after include).
         summary: also return the SparsifySummary.

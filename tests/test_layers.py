@@ -200,6 +200,8 @@ def test_construction_checks_dtype_warns_when_empty_and_takes_numpy_ints():
         assert SparseLinear.from_dense(torch.randn(2, 3), sparsity=0.95).nnz == 0
     layer = SparseLinear(np.int64(5), np.int32(3), sparsity=0.0)
     assert type(layer.in_features) is int and layer.nnz == 15
+    assert SparseLinear(5, 4, sparsity=torch.tensor(0.5)).nnz == 10  # a 0-d tensor
+    assert SparseLinear(5, 4, sparsity=np.float32(0.5)).nnz == 10
 
 
 def test_construction_under_a_default_device_context():

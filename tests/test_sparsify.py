@@ -285,6 +285,8 @@ def test_warns_when_nothing_matches_or_model_is_already_sparse():
         sparsify(_mlp(), 0.5, include="decoder.*")
     with pytest.warns(UserWarning, match="exclude pattern 'x' matches no"):
         sparsify(_mlp(), 0.5, exclude=["x"])
+    model = sparsify(_mlp(), 0.5, include={"0", "2"})  # a set of patterns
+    assert [type(m) for m in model] == [SparseLinear, nn.ReLU, SparseLinear, nn.ReLU, nn.Linear]
     model = sparsify(_mlp(), 0.5)
     with pytest.warns(UserWarning, match="sparse already"):
         sparsify(model, 0.9)
