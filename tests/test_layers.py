@@ -339,6 +339,35 @@ def test_optimizers_reduce_loss(opt_cls, kw):
 # ---- GPU ---------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("B", [3, 32])  # the tiled kernels, and the 32-wide ones with the fused backward
+def test_cuda_higher_order_gradients_and_per_sample_gradients(B):
+    # a gradient penalty and per-sample gradients on the GPU kernels against float64 on the CPU
+    torch.manual_seed(12)
+    layer = SparseLinear(300, 200, sparsity=0.9, device="cuda")
+    x = torch.randn(B, 300, device="cuda")
+    ref = copy.deepcopy(layer).cpu().double()
+
+    def penalised(m, x):
+        x = x.clone().requires_grad_()
+        y = torch.tanh(m(x)).pow(2).sum()
+        gx, = torch.autograd.grad(y, x, create_graph=True)
+        (y + gx.pow(2).sum()).backward()
+        return m.values.grad, m.bias.grad
+    for got, want in zip(penalised(layer, x), penalised(ref, x.cpu().double())):
+        assert ((got.double().cpu() - want).norm() / want.norm()).item() < 1e-5
+    params = {k: p.detach() for k, p in layer.named_parameters()}
+    per = torch.func.vmap(torch.func.grad(
+        lambda p, xi: torch.func.functional_call(layer, p, (xi,)).pow(2).sum()), in_dims=(None, 0))(params, x)
+    ref.zero_grad()
+    for i in (0, B - 1):
+        ref.zero_grad()
+        ref(x[i].cpu().double()).pow(2).sum().backward()
+        err = ((per["values"][i].double().cpu() - ref.values.grad).norm() / ref.values.grad.norm()).item()
+        assert err < 1e-5
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("lead,in_f,out_f,sparsity", [((7,), 96, 40, 0.9), ((2, 3), 333, 40, 0.95),
                                                       ((1,), 1, 1, 0.0), ((128,), 512, 256, 0.99)])
 def test_cuda_matches_dense(lead, in_f, out_f, sparsity):
