@@ -363,7 +363,7 @@ def _apply(x2, values, bias, topo):
     runs; otherwise its forward without autograd's cost."""
     if torch.is_grad_enabled() and (x2.requires_grad or values.requires_grad
                                     or (bias is not None and bias.requires_grad)) \
-            or _forward_mode() or _in_functorch():
+            or forward_ad._current_level >= 0 or _current_level() is not None:  # (_forward_mode, _in_functorch inlined)
         return SparseLinearFunction.apply(x2, values, bias, topo)
     return backend.spmm(x2, topo, values, bias=bias)
 
