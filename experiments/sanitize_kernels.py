@@ -6,6 +6,30 @@ from __future__ import annotations
 import torch
 
 
+def _run_ops(G, x, dy, t, v, bias, B, tiled, opts, dt, refs):
+    """Every op once with launch options `opts` (forward with and without bias, dX, SDDMM with
+    and without db, and for B <= 32 the fused backward); the worst relative error against the
+    float64 references (fp16/bf16 errors divided by 100)."""
+    yref, ybref, dxref, dvref = refs
+    worst = 0.0
+    t.cache.clear()
+    sd = {k: w for k, w in opts.items() if k != "split"}
+    for got, ref in ((G.spmm(x, t, v, **opts), yref), (G.spmm(x, t, v, bias=bias, **opts), ybref),
+                     (G.spmm_t(dy, t, v, **opts), dxref), (G.sddmm(dy, x, t, **sd), dvref)):
+        e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        worst = max(worst, e if dt == torch.float32 else e / 100)
+    dv, db = G.sddmm(dy, x, t, bias_grad=True, **sd)  # with the bias gradient
+    pairs = [(dv, dvref), (db, dy.double().sum(0))]
+    if B <= 32 and not tiled:  # the fused backward (dX, dv, db in one launch), same chunks and split
+        fk = {k: w for k, w in opts.items() if k != "wide"}
+        pairs += zip(G.spmm_t_sddmm(dy, x, t, v, bias_grad=True, fused=True, **fk),
+                     (dxref, dvref, dy.double().sum(0)))
+    for got, ref in pairs:
+        e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        worst = max(worst, e if dt == torch.float32 else e / 100)
+    return worst
+
+
 def main(sums=("atomic", "parts"), tiled=False, own=False):
     """sums: the ways of adding the wide kernels' partial results to run (ops.PARTIAL_SUMS);
     tiled: only the batch-tiled kernels (every op forced off the 32-wide ones, no fused backward),
@@ -13,8 +37,7 @@ def main(sums=("atomic", "parts"), tiled=False, own=False):
     import snack.gpu as G
     from snack.core import COO
     from snack.gpu import ops
-    rows4_below, sddmm_rows4, partial_sums = ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4, ops.PARTIAL_SUMS
-    wide_own = ops.WIDE_OWN
+    partial_sums = ops.PARTIAL_SUMS
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
     runs = [(mode, shape) for mode in (sums[:1] if tiled else sums)
@@ -36,34 +59,17 @@ def main(sums=("atomic", "parts"), tiled=False, own=False):
             # atomics, and one block looping over small chunks) with a warp per row, with a
             # row per group of 8 lanes and (the SpMMs) with lane-owned non-zeros; the forward
             # with and without bias
-            owned = ({"wide": True, "own": True}, {"wide": True, "chunks": 3, "split": 1, "own": True})
+            owned = ({"wide": True, "mode": "own"}, {"wide": True, "chunks": 3, "split": 1, "mode": "own"})
             variants = ({"wide": False},) if tiled else owned if own else (
-                {}, {"wide": True, "rows4": False, "own": False}, {"wide": True, "rows4": True, "own": False},
-                {"wide": True, "chunks": 3, "split": 1, "rows4": False, "own": False},
-                {"wide": True, "chunks": 3, "split": 1, "rows4": True, "own": False}) + owned
+                {}, {"wide": True, "mode": "warp"}, {"wide": True, "mode": "rows4"},
+                {"wide": True, "chunks": 3, "split": 1, "mode": "warp"},
+                {"wide": True, "chunks": 3, "split": 1, "mode": "rows4"}) + owned
             for opts in variants:
                 opts = dict(opts)
-                ops.WIDE_OWN = opts.pop("own", wide_own)
-                r4 = opts.pop("rows4", None)
-                ops.WIDE_ROWS4_BELOW = rows4_below if r4 is None else (10 ** 9 if r4 else 0)
-                ops._sddmm_rows4 = sddmm_rows4 if r4 is None else (lambda *a, r4=r4: r4)
-                t.cache.clear()
-                sd = {k: w for k, w in opts.items() if k != "split"}
-                for got, ref in ((G.spmm(x, t, v, **opts), yref), (G.spmm(x, t, v, bias=bias, **opts), ybref),
-                                 (G.spmm_t(dy, t, v, **opts), dxref), (G.sddmm(dy, x, t, **sd), dvref)):
-                    e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-                    worst = max(worst, e if dt == torch.float32 else e / 100)
-                dv, db = G.sddmm(dy, x, t, bias_grad=True, **sd)  # with the bias gradient
-                pairs = [(dv, dvref), (db, dy.double().sum(0))]
-                if B <= 32 and not tiled:  # the fused backward (dX, dv, db in one launch), same chunks and split
-                    fk = {k: w for k, w in opts.items() if k != "wide"}
-                    pairs += zip(G.spmm_t_sddmm(dy, x, t, v, bias_grad=True, fused=True, **fk),
-                                 (dxref, dvref, dy.double().sum(0)))
-                for got, ref in pairs:
-                    e = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-                    worst = max(worst, e if dt == torch.float32 else e / 100)
-    ops.WIDE_ROWS4_BELOW, ops._sddmm_rows4 = rows4_below, sddmm_rows4
-    ops.PARTIAL_SUMS, ops.WIDE_OWN = partial_sums, wide_own
+                with ops.wide_mode(opts.pop("mode", "auto"), sddmm=True):
+                    worst = max(worst, _run_ops(G, x, dy, t, v, bias, B, tiled, opts, dt,
+                                                (yref, ybref, dxref, dvref)))
+    ops.PARTIAL_SUMS = partial_sums
     # the fused Adam step (AdamW's decay too) against torch's, several grid-stride rounds
     for cls in (torch.optim.Adam, torch.optim.AdamW):
         p = torch.randn(300_001, device="cuda")

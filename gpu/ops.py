@@ -366,26 +366,31 @@ WIDE_MODES = ("auto", "warp", "rows4", "own")
 
 
 @contextlib.contextmanager
-def wide_mode(mode: str):
+def wide_mode(mode: str, sddmm: bool = False):
     """Within the block, the 32-wide SpMMs take their rows in mode `mode`: "auto" (the defaults:
     WIDE_OWN, WIDE_ROWS4_BELOW), "warp" (a warp per row), "rows4" (a row per group of 8 lanes) or
-    "own" (a row per group of 8 lanes, lanes owning whole non-zeros); the SDDMM and the fused
-    backward keep theirs. For A/B runs (experiments/tune_kernels.py --wide-modes); it sets this
-    module's knobs, so it is not meant for threads running ops at the same time."""
-    global WIDE_OWN, WIDE_ROWS4_BELOW
+    "own" (a row per group of 8 lanes, lanes owning whole non-zeros); the fused backward keeps
+    its own. With `sddmm` the wide SDDMM follows too (SDDMM_ROWS4): a row per group of 8 lanes
+    in "rows4", a warp per row in "warp" and "own" (it has no lane-owned mode), its rule in
+    "auto"; without, it keeps its rule (`_sddmm_rows4`, which reads WIDE_ROWS4_BELOW too). For
+    A/B runs (experiments/tune_kernels.py --wide-modes), tests and the sanitizer run; it sets this module's knobs, so it is not meant for threads
+    running ops at the same time."""
+    global WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4
     if mode not in WIDE_MODES:
         raise ValueError(f"mode must be one of {WIDE_MODES}, got {mode!r}")
-    saved = WIDE_OWN, WIDE_ROWS4_BELOW
+    saved = WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4
     if mode == "warp":
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 0
     elif mode == "rows4":
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 10 ** 9
     elif mode == "own":
         WIDE_OWN = True
+    if sddmm and mode != "auto":
+        SDDMM_ROWS4 = mode == "rows4"
     try:
         yield
     finally:
-        WIDE_OWN, WIDE_ROWS4_BELOW = saved
+        WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4 = saved
 
 
 def _short_segments(topo, n_rows: int, nch: int) -> bool:
@@ -699,7 +704,8 @@ def _sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with_db):
     """The SDDMM's launch beyond the per-call tensors, cached on the topology like `_spmm_plan`:
     (BoundLaunch, how the batch tiles add up) (see `_sddmm_launch`) or None."""
     mode = _sum_mode()
-    return _cached_plan(topo, ("sddmm_plan", batch, kind, bt, threads, wide, chunks, with_db, mode),
+    return _cached_plan(topo, ("sddmm_plan", batch, kind, bt, threads, wide, chunks, with_db, mode,
+                               WIDE_ROWS4_BELOW, SDDMM_ROWS4),
                         _build_sddmm_plan, batch, kind, device, bt, threads, wide, chunks, with_db, mode)
 
 
@@ -736,8 +742,13 @@ def _build_sddmm_plan(topo, batch, kind, device, bt, threads, wide, chunks, with
 # 90 % 18.7 -> 18.5; but 768 x 768 at 90 % B = 128 (77 per segment, 24 blocks of rows4) 11.0 -> 17.8.
 # (Before the batch tiles went to the grid, every block visited the 4 tiles of B = 128 in turn:
 # 99 % 48.9 us warp / 38.5 rows4, 95 % 65.8 / 69.5, 90 % 89.2 / 106.2.)
+SDDMM_ROWS4: Optional[bool] = None  # None: the rule above; True / False: forced (see wide_mode)
+
+
 def _sddmm_rows4(topo, nch, ntiles, threads, device):
     """Whether the wide SDDMM takes a row per group of 8 lanes (see above)."""
+    if SDDMM_ROWS4 is not None:
+        return SDDMM_ROWS4
     n_out = topo.shape[0]
     busy = -(-n_out // (4 * (threads // 32))) * nch * ntiles
     return _short_segments(topo, n_out, nch) or 2 * busy >= device_properties(device)[0]

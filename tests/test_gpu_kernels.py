@@ -71,21 +71,20 @@ def test_wide_variants(B, chunks, gen):
     _run_all(coo, B, torch.float32, gen, wide=True, chunks=chunks)
 
 
-@pytest.mark.parametrize("mode", ["warp", "rows4"])
+@pytest.mark.parametrize("mode", ["warp", "rows4", "own"])
 @pytest.mark.parametrize("B,chunks,dtype", [(40, 2, torch.float32), (128, None, torch.bfloat16), (33, 3, torch.float16)])
-def test_wide_modes_on_short_and_long_segments(mode, B, chunks, dtype, gen, monkeypatch):
-    # a warp per row, or a row per group of 8 lanes (the default for short segments), forced on
-    # a matrix whose segments are mostly short (1 %) with a few whole rows; the SDDMM's batch
-    # tiles add up with atomics from B = 33
+def test_wide_modes_on_short_and_long_segments(mode, B, chunks, dtype, gen):
+    # a warp per row, a row per group of 8 lanes (the default for short segments) or lane-owned
+    # non-zeros (the SpMMs; the SDDMM then a warp per row), forced on a matrix whose segments are
+    # mostly short (1 %) with a few whole rows; the SDDMM's batch tiles add up with atomics from B = 33
     from snack.gpu import ops
     from snack.core import COO
-    monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 0 if mode == "warp" else 10 ** 9)
-    monkeypatch.setattr(ops, "_sddmm_rows4", lambda *args: mode == "rows4")
     mask = torch.rand(777, 4100, generator=gen) < 0.01
     mask[::97] = True
     idx = mask.nonzero().T.to(torch.int32)
     coo = COO(idx, torch.randn(idx.shape[1], generator=gen), (777, 4100)).to("cuda")
-    _run_all(coo, B, dtype, gen, wide=True, chunks=chunks)
+    with ops.wide_mode(mode, sddmm=True):
+        _run_all(coo, B, dtype, gen, wide=True, chunks=chunks)
 
 
 @pytest.mark.parametrize("B,chunks,split,dtype", [

@@ -198,14 +198,20 @@ def test_wide_spmm_row_mode_by_default_and_by_wide_mode(h200, monkeypatch, mode,
         assert name.startswith("snack_spmm_wide_") and bound.block == (512 if got == "own" else 1024), name
         return got
 
-    saved = ops.WIDE_OWN, ops.WIDE_ROWS4_BELOW
+    saved = ops.WIDE_OWN, ops.WIDE_ROWS4_BELOW, ops.SDDMM_ROWS4
+    rule = ops._sddmm_rows4(topo, 1, 2, 1024, "cuda:0")
     with ops.wide_mode(mode):
         assert (kernel(False), kernel(True)) == (fwd, dx)
-    assert (ops.WIDE_OWN, ops.WIDE_ROWS4_BELOW) == saved
+        assert ops.SDDMM_ROWS4 is None  # the SDDMM keeps its rule (which reads WIDE_ROWS4_BELOW)
+    # with sddmm=True the wide SDDMM follows: rows4 in "rows4", a warp per row in "warp" and "own"
+    with ops.wide_mode(mode, sddmm=True):
+        assert (kernel(False), kernel(True)) == (fwd, dx)
+        assert ops._sddmm_rows4(topo, 1, 2, 1024, "cuda:0") == (rule if mode == "auto" else mode == "rows4")
+    assert (ops.WIDE_OWN, ops.WIDE_ROWS4_BELOW, ops.SDDMM_ROWS4) == saved
     short = COO.random((64, 90), density=0.1, seed=3).topology  # ~9 per segment: rows4 by default
     n_rows = short.shape[0]
     assert ops._short_segments(short, n_rows, 1) and not ops._short_segments(topo, n_rows, 1)
     with pytest.raises(ValueError, match="mode must be one of"):
         with ops.wide_mode("rows8"):
             pass
-    assert (ops.WIDE_OWN, ops.WIDE_ROWS4_BELOW) == saved
+    assert (ops.WIDE_OWN, ops.WIDE_ROWS4_BELOW, ops.SDDMM_ROWS4) == saved

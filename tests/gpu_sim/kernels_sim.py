@@ -225,16 +225,13 @@ def test_half_precision(dtype, shape, B, density):
 
 
 @pytest.fixture(params=["warp", "rows4", "own"])
-def wide_mode(request, monkeypatch):
+def wide_mode(request):
     """The wide SpMMs and SDDMM with a warp per row, with a row per group of 8 lanes (rows4,
     chosen for short segments) whatever the segments' lengths, or (the SpMMs) with lane-owned
-    non-zeros (own)."""
+    non-zeros (own; the SDDMM a warp per row)."""
     from snack.gpu import ops
-    rows4 = request.param == "rows4"
-    monkeypatch.setattr(ops, "WIDE_OWN", request.param == "own")
-    monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9 if rows4 else 0)
-    monkeypatch.setattr(ops, "_sddmm_rows4", lambda *args: rows4)
-    return request.param
+    with ops.wide_mode(request.param, sddmm=True):
+        yield request.param
 
 
 def _check_wide(mode, coo, B, seed, **kw):
@@ -441,7 +438,7 @@ def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, 
     from snack.gpu import ops
     monkeypatch.setattr(ops, "WIDE_OWN", own)
     monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9)
-    monkeypatch.setattr(ops, "_sddmm_rows4", lambda *args: True)
+    monkeypatch.setattr(ops, "SDDMM_ROWS4", True)
     monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
     g = torch.Generator().manual_seed(3)
     lengths = [90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 32, 33, 31, 40, 5]
