@@ -5,7 +5,7 @@
 # name (experiments/bench_*.py, experiments/plot_*.py) instead of a fixed list, so a new benchmark
 # or plot joins `make bench` / `make figures` by being added, at the price of running all of them.
 #
-#   make install                                  # .venv: CPU torch 2.13.0 first, then snack + extras, MNIST
+#   make install                                  # .venv: torch 2.13.0 first (CPU wheel: PIP_EXTRA_INDEX_URL, see README), then snack + extras, MNIST
 #   make install TORCH= EXTRAS=experiments,test,gpu   # GPU machine: keep the CUDA torch you installed
 #   make test | demo | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
 
@@ -55,7 +55,7 @@ figures:
 	@if [ -z "$(PLOT_SCRIPTS)" ]; then echo "no plot scripts (experiments/plot_*.py) yet"; exit 1; fi
 	@set -e; for f in $(PLOT_SCRIPTS); do echo "== $$f"; $(PY) $$f; done
 
-# Figure <name>: experiments/bench_<name>.py writes results/<name>*.csv (GPU), then
+# Figure <name>: experiments/bench_<name>.py writes results/bench_<name>*.csv (GPU), then
 # experiments/plot_<name>.py draws papers/fig_<name>.png from the CSV.
 #   make figure-kernels   Figure 1: SpMM / SDDMM time vs dense, Dense+Mask, cuSPARSE
 #   make figure-layer     Figure 2: one layer's training / inference time, memory, energy

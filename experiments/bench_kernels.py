@@ -3,7 +3,7 @@ cuSPARSE (torch.sparse CSR), side by side in one run, on the GPU.
 
 For each shape (out x in), sparsity and batch B it checks every op against a float64 reference
 (outputs poisoned with NaN first), then times the forward, dX, the SDDMM and the whole backward
-(dX and dv: `snack.gpu.spmm_t_sddmm`, fused from B = 16 to 32, and its two separate ops):
+(dX and dv: `snack.gpu.spmm_t_sddmm`, fused from B = 9 to 32, and its two separate ops):
   - GPU time: CUDA-graph replay (triton.testing.do_bench_cudagraph), median;
   - eager time as a user calls it (triton.testing.do_bench, L2 flushed), median;
 and the HBM roofline fraction of the SNACK forward (bytes: 12 per non-zero + 4 * B * (in + out),
@@ -129,7 +129,7 @@ def main(argv=None):
             torch.cuda.synchronize()
             refs[name] = ref()
             errs[name] = rel_err(out, refs[name])
-        # the whole backward (dX and dv) as a layer runs it: one fused launch from B = 16 to 32
+        # the whole backward (dX and dv) as a layer runs it: one fused launch from B = 9 to 32
         # (snack.gpu.fuses_backward), else spmm_t and sddmm
         bdx, bdv = G.spmm_t_sddmm(dy, x, topo, v)
         errs["backward"] = max(rel_err(bdx, refs["dX"]), rel_err(bdv, refs["SDDMM"]))

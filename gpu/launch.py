@@ -14,8 +14,10 @@ Three paths, chosen once per process:
 Every kernel argument is a 1-D C-contiguous array or a scalar (a Python int is passed as int64, a
 Python float as float64); bfloat16 tensors are passed as their int16 bits (Numba has no bfloat16
 array type).
-Trade-off: the driver path relies on Numba's kernel ABI and its compiled-kernel handle; a
-mismatch is caught at start-up by a self-check against the dispatcher path (see `self_check`).
+Trade-off: the driver path relies on Numba's kernel ABI and its compiled-kernel handle; there is
+no start-up check of it: a mismatch (a numba-cuda release changing the ABI) would show as wrong
+results in the GPU tests, which run every kernel through this path against float64 references,
+and SNACK_LAUNCH=numba then falls back to the dispatcher.
 """
 from __future__ import annotations
 
