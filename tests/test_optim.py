@@ -54,6 +54,22 @@ def test_subclass_of_torchs_and_closure_returns_loss():
     assert opt.step() is None   # no closure: None, as torch's
 
 
+def test_cpu_step_does_not_import_the_gpu_package():
+    # on CPU parameters (simulator off) torch's step runs: importing snack.gpu (numba-cuda, about
+    # half a second) on the first step would only slow down the first timed step
+    import subprocess
+    import sys
+    code = ("import sys, torch, snack\n"
+            "m = snack.SparseLinear(8, 4)\n"
+            "o = snack.optim.Adam(m.parameters())\n"
+            "m(torch.randn(2, 8)).sum().backward(); o.step()\n"
+            "print('snack.gpu' in sys.modules)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
 def test_bad_arguments_are_torchs():
     with pytest.raises(ValueError, match="Invalid learning rate"):
         snack.optim.Adam(_model().parameters(), lr=-1.0)

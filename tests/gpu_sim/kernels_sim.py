@@ -685,6 +685,31 @@ def test_snack_optimizer_kernel_path_matches_torch(name):
     assert torch.equal(fresh.state[twin[0].values]["exp_avg"], sv["exp_avg"])
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_snack_optimizer_with_grad_scaler_and_fused_skips_overflowing_steps(name):
+    # torch.amp.GradScaler hands a fused=True optimizer its scale and inf flag instead of
+    # unscaling: the step must be torch's (skipped on inf, gradients unscaled), not the kernel's
+    import snack
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(snack.SparseLinear(12, 7, sparsity=0.5), torch.nn.Linear(7, 3))
+    twin = copy.deepcopy(model)
+    ours = getattr(snack.optim, name)(model.parameters(), lr=0.01, fused=True, weight_decay=0.01)
+    theirs = getattr(torch.optim, name)(twin.parameters(), lr=0.01, fused=True, weight_decay=0.01)
+    x = torch.randn(5, 12)
+    for scale in (1.0, float("inf"), 1.0):  # the second step overflows
+        for m, o in ((model, ours), (twin, theirs)):
+            scaler = getattr(o, "_test_scaler", None) or torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+            o._test_scaler = scaler
+            o.zero_grad()
+            scaler.scale(m(x).square().sum() * scale).backward()
+            scaler.step(o)
+            scaler.update()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert ours._work() is not None  # without a scaler the kernel path is taken again
+
+
 def test_snack_optimizer_resumes_torch_state_and_skips_params_without_grad():
     # a checkpoint of torch's Adam (CPU step counts) continues under snack.optim.Adam exactly as
     # under torch's; a parameter without a gradient is left alone; a non-contiguous gradient
