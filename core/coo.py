@@ -12,7 +12,7 @@ with `check=False` from indices that are already canonical.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch

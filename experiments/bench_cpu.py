@@ -19,7 +19,6 @@ Python overhead, not an isolated kernel time.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import platform
@@ -36,6 +35,10 @@ from snack.core import COO
 from snack.core import cpu
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
+from experiments.results_io import write_csv  # noqa: E402
+
 
 
 def parse_args(argv=None):
@@ -50,7 +53,22 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=str, default=str(ROOT / "results" / "bench_cpu.csv"))
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    try:
+        batches = [int(b) for b in a.batches.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--batches must be comma-separated ints, got {a.batches!r}")
+    if not batches or min(batches) < 1:
+        p.error(f"--batches must name at least one batch size >= 1, got {a.batches!r}")
+    if not 0.0 <= a.sparsity < 1.0:
+        p.error(f"--sparsity must be in [0, 1), got {a.sparsity}")
+    for name in ("in_features", "out_features", "rounds", "repeats"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    for name in ("warmup", "threads"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
+    return a
 
 
 def cpu_model() -> str:
@@ -163,12 +181,7 @@ def main(argv=None) -> list:
         csr_ratio = f"{r['ratio_csr_over_snack']:10.2f}" if r["ratio_csr_over_snack"] != "" else f"{'-':>10s}"
         print(f"{r['op']:8s} {r['B']:4d} {r['snack_ms']:9.2f} {r['dense_ms']:9.2f} {csr_ms} "
               f"{r['ratio_dense_over_snack']:12.2f} {csr_ratio} {r['snack_min_ms']:12.2f} {r['dense_min_ms']:7.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        wr.writeheader()
-        wr.writerows(rows)
+    out = write_csv(args.out, rows)
     print(f"wrote {out}")
     return rows
 

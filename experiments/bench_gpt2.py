@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import gc
 import math
 import sys
@@ -50,6 +49,7 @@ if str(ROOT) not in sys.path:
 
 import snack  # noqa: E402
 from experiments.bench_layer import _sync, capture, environment, eager_us, graph_us  # noqa: E402
+from experiments.results_io import write_csv  # noqa: E402
 
 METHODS = ("snack", "dense", "densemask")
 NAN = float("nan")
@@ -285,12 +285,7 @@ def main(argv=None) -> List[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     add_ratios(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        w.writerows(rows)
+    out = write_csv(args.out, rows)
     print_table(rows, env, args)
     print(f"wrote {out}")
     return rows

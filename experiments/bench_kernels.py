@@ -18,16 +18,21 @@ Usage (GPU machine):  python experiments/bench_kernels.py [--quick] [--out CSV]
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import subprocess
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
+from experiments.results_io import write_csv  # noqa: E402
 
 DEFAULT_SHAPES = ["4096x4096", "2304x768", "768x768", "3072x768", "768x3072"]
 
@@ -203,11 +208,7 @@ def main(argv=None):
 
     if args.out is None:
         args.out = "results/bench_kernels_quick.csv" if args.quick else "results/bench_kernels.csv"
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out, rows)
     print_summary(rows)
     print(f"host: 1000 forward calls at B=1 (median of 5 rounds): snack {overhead['snack']:.1f} us/call "
           f"(rounds {', '.join(f'{w:.1f}' for w in walls['snack'])}), F.linear dense {overhead['dense']:.1f} "

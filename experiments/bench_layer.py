@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import datetime
 import gc
 import json
@@ -59,6 +58,7 @@ if str(ROOT) not in sys.path:
 
 import snack  # noqa: E402
 from snack.layers import backend as snack_backend  # noqa: E402
+from experiments.results_io import write_csv, write_text  # noqa: E402
 
 METHODS = ("snack", "dense", "densemask", "cusparse")
 NAN = float("nan")
@@ -441,14 +441,9 @@ def main(argv=None) -> List[dict]:
                   nnz=ref.nnz, dtype="float32", optimizer=args.optimizer, **env)
     rows = [{**common, **r} for r in rows]
     print_table(rows, env, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
-    out.with_suffix(".json").write_text(json.dumps(vars(args), indent=1) + "\n")
+    out = write_csv(args.out, [{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}
+                               for r in rows])
+    write_text(out.with_suffix(".json"), json.dumps(vars(args), indent=1) + "\n")
     print(f"wrote {out}")
     return rows
 

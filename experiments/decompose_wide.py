@@ -15,10 +15,15 @@ Usage: python experiments/decompose_wide.py [--shape 4096x4096] [--sparsity 0.9,
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
+from experiments.results_io import write_csv  # noqa: E402
 
 # (name, probe bits): see snack.gpu.kernels.make_spmm_wide_kernel(probe=)
 SETTINGS = [("full", 0), ("no staging", 1), ("no rows", 2), ("no flush", 4), ("no products", 8),
@@ -79,10 +84,7 @@ def main(argv=None):
                 rows.append(dict(shape=args.shape, sparsity=sp, batch=B, setting=name, probe=probe,
                                  us=round(times[0], 3), us_no_memset=round(times[1], 3), dense_us=round(dense, 3)))
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, rows)
         print("wrote", args.csv)
 
 

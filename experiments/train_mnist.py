@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import json
 import math
 import platform
@@ -44,6 +43,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
 import snack  # noqa: E402
 from snack.layers.backend import backend_name  # noqa: E402
 from experiments.data import load  # noqa: E402
+from experiments.results_io import write_csv, write_text  # noqa: E402
 
 # ---- config: defaults, overridable with --key=value ------------------------------------------
 DEFAULTS = dict(
@@ -106,8 +106,8 @@ def _validate(cfg: dict) -> None:
     if cfg["dataset"] not in ("mnist", "fashion-mnist"):
         raise ValueError(f"dataset must be 'mnist' or 'fashion-mnist', got {cfg['dataset']!r}")
     models = [m.strip() for m in cfg["models"].split(",") if m.strip()]
-    if not models or any(m not in ("dense", "sparse") for m in models):
-        raise ValueError(f"models must be a comma-separated subset of dense,sparse, got {cfg['models']!r}")
+    if not models or any(m not in ("dense", "sparse") for m in models) or len(set(models)) < len(models):
+        raise ValueError(f"models must be a comma-separated subset of dense,sparse, each once, got {cfg['models']!r}")
     if not 0.0 <= cfg["sparsity"] < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {cfg['sparsity']}")
     if cfg["distribution"] not in ("erk", "uniform"):
@@ -122,6 +122,8 @@ def _validate(cfg: dict) -> None:
         raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg['optimizer']!r}")
     if cfg["device"] not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {cfg['device']!r}")
+    if cfg["device"] == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
     for key in ("epochs", "batch_size"):
         if cfg[key] < 1:
             raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
@@ -372,8 +374,9 @@ def print_table(rows) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
         if j == 0:
             print("  ".join("-" * w for w in widths))
-    if len(rows) == 2:
-        d, s = rows
+    by_model = {r["model"]: r for r in rows}
+    if set(by_model) == {"dense", "sparse"}:
+        d, s = by_model["dense"], by_model["sparse"]
         print(f"sparse / dense: state bytes x{s['state_bytes'] / d['state_bytes']:.3f}, peak x"
               f"{s['peak_bytes'] / d['peak_bytes']:.3f}, train time x{s['train_time_s'] / max(d['train_time_s'], 1e-9):.2f}, "
               f"accuracy {100 * (s['test_acc'] - d['test_acc']):+.2f} points")
@@ -410,17 +413,20 @@ def main(argv=None) -> list:
     out_dir = Path(cfg["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = out_dir / "train_mnist.csv", out_dir / "train_mnist.json"
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(csv_path, rows)  # (each file written whole or not at all)
     wall = time.perf_counter() - t_start
-    with open(json_path, "w") as f:
-        json.dump(dict(config=cfg, environment=env, argv=sys.argv[1:] if argv is None else list(argv),
-                       wall_time_s=round(wall, 2)), f, indent=2)
+    write_text(json_path, json.dumps(dict(config=cfg, environment=env,
+                                          argv=sys.argv[1:] if argv is None else list(argv),
+                                          examples=dict(train=int(x_train.shape[0]), test=int(x_test.shape[0])),
+                                          wall_time_s=round(wall, 2)), indent=2))
     print(f"wrote {csv_path} and {json_path}; total wall time {wall:.1f} s")
     return rows
 
 
 if __name__ == "__main__":
+    try:
+        parse_config()  # a bad value: one line and exit status 2, like argparse's own errors
+    except ValueError as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -15,9 +15,15 @@ Usage: python experiments/tune_kernels.py [--sparsity 0.9,0.99] [--batch 8,32,12
 from __future__ import annotations
 
 import argparse
-import csv
+import sys
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
+from experiments.results_io import write_csv  # noqa: E402
 
 
 def _ints(s):
@@ -115,10 +121,7 @@ def main(argv=None):
                     print(f"{sp:5} {B:4} {name:>16} {th:5} " + " ".join(f"{res.get(o, float('nan')):8.2f}"
                           for o in ("fwd", "dx", "sddmm")) + f"   {t_dense:8.2f}", flush=True)
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}, key=list(rows[0]).index))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, rows, fieldnames=sorted({k for r in rows for k in r}, key=list(rows[0]).index))
     # best setting per point
     print("\nbest forward per point:")
     best = {}

@@ -114,3 +114,47 @@ def test_bad_config_raises(argv, match):
     from experiments import train_mnist as tm
     with pytest.raises(ValueError, match=match):
         tm.parse_config(argv)
+
+
+def test_summary_line_pairs_models_by_name_in_either_order(capsys):
+    from experiments import train_mnist as tm
+    base = dict(sparsity=0.0, params=10, connections=10, train_time_s=2.0, ms_per_step=1.0, weight_bytes=1,
+                grad_bytes=1, optim_bytes=1, peak_bytes=100, dst="none")
+    dense = dict(base, model="dense", test_acc=0.9, state_bytes=100)
+    sparse = dict(base, model="sparse", sparsity=0.9, test_acc=0.8, state_bytes=15, train_time_s=1.0)
+    for rows in ([dense, sparse], [sparse, dense]):
+        tm.print_table(rows)
+        out = capsys.readouterr().out
+        assert "sparse / dense: state bytes x0.150" in out and "accuracy -10.00 points" in out
+    tm.print_table([dense])
+    assert "sparse / dense" not in capsys.readouterr().out
+
+
+def test_bad_command_line_values_exit_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    for script, argv, msg in (("train_mnist.py", ["--sparsity=1.5"], "sparsity must be in"),
+                              ("train_mnist.py", ["--models=dense,dense"], "each once"),
+                              ("bench_cpu.py", ["--batches="], "--batches must name"),
+                              ("bench_cpu.py", ["--rounds=0"], "--rounds must be >= 1")):
+        r = subprocess.run([sys.executable, str(ROOT / "experiments" / script), *argv], capture_output=True,
+                           text=True, timeout=300, cwd=tmp_path)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (script, argv, r.stderr)
+
+
+def test_result_files_are_written_whole(tmp_path, monkeypatch):
+    from experiments import results_io
+    path = tmp_path / "sub" / "r.csv"
+    results_io.write_csv(path, [{"a": 1, "b": 2}, {"a": 3, "b": 4}])
+    assert path.read_text().splitlines() == ["a,b", "1,2", "3,4"]
+    # a failure while writing leaves the previous file whole and no temporary behind
+
+    class Boom(dict):
+        def keys(self):
+            raise OSError("disk full")
+    with pytest.raises(Exception):
+        results_io.write_csv(path, [{"a": 5, "b": 6}, Boom()])
+    assert path.read_text().splitlines() == ["a,b", "1,2", "3,4"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["r.csv"]
+    with pytest.raises(ValueError, match="no rows"):
+        results_io.write_csv(path, [])
