@@ -240,8 +240,11 @@ class COO:
     """A sparse matrix of shape (rows, cols) stored as (indices, values), canonical row-major.
 
     Args:
-        indices: integer tensor (2, nnz); [0] row, [1] column. Any order; stored sorted as int32.
-        values:  floating tensor (nnz,) on the same device, matching `indices` entry for entry.
+        indices: integer tensor (2, nnz); [0] row, [1] column. Any order; stored sorted as int32,
+                 always in a tensor of the COO's own (never the caller's).
+        values:  floating tensor (nnz,) on the same device, matching `indices` entry for entry;
+                 kept as given (no copy) when `indices` is already canonical, else reordered
+                 (a copy).
         shape:   (rows, cols).
         check:   validate dtype/shape/range/duplicates and sort (default). Pass False only for
                  indices known to be canonical int32 (a hot path); nothing is checked then.
@@ -261,7 +264,12 @@ class COO:
             return
         if check:
             shape = validate_coo(indices, values, shape)
+            given = indices
             indices, values, _ = canonicalize(indices, shape, values)
+            if indices.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+                # canonical int32 input comes back as is: own a copy, so that a later change of
+                # the caller's tensor cannot reach the validated pattern (kernels trust it)
+                indices = indices.clone()
         self.topology = Topology(indices, shape)
         self.values = values
 
@@ -312,6 +320,14 @@ class COO:
         return COO(None, values, None, check=False, topology=self.topology)
 
     def to(self, device=None, dtype=None) -> "COO":
+        """A COO on `device` and/or with values of floating `dtype` (either may be None: kept);
+        like torch, `coo.to(torch.float64)` takes a dtype given first."""
+        if isinstance(device, torch.dtype):
+            if dtype is not None:
+                raise TypeError("give the dtype once (to(dtype) or to(device, dtype))")
+            device, dtype = None, device
+        if dtype is not None and dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dtype must be a floating dtype (float16/bfloat16/float32/float64), got {dtype!r}")
         topo = self.topology.to(device) if device is not None else self.topology
         vals = self.values.to(device=device if device is not None else self.values.device,
                               dtype=dtype if dtype is not None else self.values.dtype)
@@ -409,6 +425,10 @@ class COO:
         entries, built without a dense matrix; values ~ N(0, 1) ('normal') or ones ('ones')."""
         from .topology import uniform_indices
         rows, cols = _check_shape(shape)
+        if seed is not None and generator is not None:
+            raise ValueError("give seed or generator, not both")
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dtype must be a floating dtype (float16/bfloat16/float32/float64), got {dtype!r}")
         if generator is None:  # without a seed, draw one from torch's global generator
             generator = torch.Generator().manual_seed(seed if seed is not None else _seed_from_torch())
         g = generator

@@ -47,6 +47,8 @@ measured while the shared machine was otherwise idle.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Optional, Tuple
 
 import numba
@@ -509,6 +511,17 @@ def _col_bounds(topo: Topology, nchunk: int):
     return got
 
 
+# Numba's parallel regions are run one at a time: its "workqueue" threading layer (what Numba
+# uses when neither TBB nor OpenMP is installed) aborts the process when two Python threads enter
+# a parallel region at once, and with the other layers two concurrent regions would only share
+# the same cores. Single-threaded calls (small work) take no lock.
+_PARALLEL_LOCK = threading.Lock()
+
+
+def _parallel_lock(n: int):
+    return _PARALLEL_LOCK if n > 1 else contextlib.nullcontext()
+
+
 def _threads(work: int) -> int:
     """Threads for a call doing `work` multiply-adds: torch.get_num_threads() (capped by Numba's
     pool), or 1 below _PARALLEL_MIN_WORK. Sets Numba's thread count to match."""
@@ -638,7 +651,7 @@ def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor,
     plan, width = _plan(shape[0])
     n = _threads(topo.nnz * width)
     split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
-    with torch.no_grad():
+    with torch.no_grad(), _parallel_lock(n):
         _spmm_kernel(split, ptr, idx, _vector(values, cdtype), _tiles(x, cdtype, plan, width),
                      x.shape[1], buf.detach().numpy(), plan, n > 1)
     return _finish(res, buf)
@@ -672,7 +685,7 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,
     nchunk = n  # one column range per thread: each range is one more pass over the rows
     _, _, idx = _csr(topo, 1)
     csplit, bounds = _col_bounds(topo, nchunk)
-    with torch.no_grad():
+    with torch.no_grad(), _parallel_lock(n):
         src = _tiles(dy, cdtype, plan, width)
         vals = _vector(values, cdtype)
         part = np.empty(shape[1] * width, dtype=src.dtype)
@@ -710,7 +723,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
     plan, width = _plan(dy.shape[0])
     n = _threads(topo.nnz * width)
     split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
-    with torch.no_grad():
+    with torch.no_grad(), _parallel_lock(n):
         _sddmm_kernel(split, ptr, idx, _tiles(dy, cdtype, plan, width), _tiles(x, cdtype, plan, width),
                       x.shape[1], buf.detach().numpy(), plan, n > 1)
     return _finish(res, buf)

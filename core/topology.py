@@ -12,6 +12,7 @@ complement instead and touches O(rows * cols) int64 keys, the same order as the 
 from __future__ import annotations
 
 import math
+from numbers import Integral, Real
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -29,11 +30,13 @@ def density_to_nnz(shape: Tuple[int, int], density: Optional[float] = None,
     if (density is None) == (nnz is None):
         raise ValueError("give exactly one of density or nnz")
     if nnz is None:
-        if not isinstance(density, (int, float)) or math.isnan(density) or not 0.0 <= density <= 1.0:
+        if isinstance(density, bool) or not isinstance(density, Real) or math.isnan(density) \
+                or not 0.0 <= density <= 1.0:
             raise ValueError(f"density must be a number in [0, 1], got {density!r}")
-        nnz = int(round(density * n))
-    if isinstance(nnz, bool) or not isinstance(nnz, int):
+        nnz = int(round(float(density) * n))
+    if isinstance(nnz, bool) or not isinstance(nnz, Integral):  # (numpy integers too)
         raise TypeError(f"nnz must be an int, got {type(nnz).__name__}")
+    nnz = int(nnz)
     if not 0 <= nnz <= n:
         raise ValueError(f"nnz must be in [0, rows * cols = {n}], got {nnz}")
     return nnz
@@ -82,16 +85,18 @@ def erdos_renyi_density(shape: Tuple[int, int], epsilon: float = 20.0) -> float:
     rows, cols = _check_shape(shape)
     if rows == 0 or cols == 0:
         raise ValueError(f"shape must have rows > 0 and cols > 0, got {(rows, cols)}")
-    if epsilon <= 0:
-        raise ValueError(f"epsilon must be positive, got {epsilon}")
+    if isinstance(epsilon, bool) or not isinstance(epsilon, Real) or not epsilon > 0:  # (NaN too)
+        raise ValueError(f"epsilon must be a positive number, got {epsilon!r}")
     return min(1.0, epsilon * (rows + cols) / (rows * cols))
 
 
 def erk_densities(shapes: Sequence[Tuple[int, int]], sparsity: float) -> List[float]:
     """Per-layer densities so that sum(density_i * n_i) = (1 - sparsity) * sum(n_i), with density_i
     proportional to (rows_i + cols_i) / (rows_i * cols_i) and at most 1 (RigL's ERK rule)."""
-    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
+    if isinstance(sparsity, bool) or not isinstance(sparsity, Real) or math.isnan(sparsity) \
+            or not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
+    sparsity = float(sparsity)
     shapes = [_check_shape(s) for s in shapes]
     for r, c in shapes:
         if r == 0 or c == 0:

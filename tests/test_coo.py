@@ -386,3 +386,24 @@ def test_property_duplicate_always_rejected(case, which):
     idx = torch.tensor([[f // cols for f in flat], [f % cols for f in flat]], dtype=torch.int64)
     with pytest.raises(ValueError, match="indices"):
         COO(idx, torch.ones(len(flat)), (rows, cols))
+
+
+def test_coo_owns_its_indices_and_checks_dtypes():
+    # canonical int32 input is copied: a later change of the caller's tensor cannot reach the
+    # validated pattern (the kernels read it without bounds checks)
+    idx = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)
+    vals = torch.ones(2)
+    c = COO(idx, vals, (2, 2))
+    idx[1, 1] = 50_000_000
+    assert c.indices.tolist() == [[0, 1], [0, 1]]
+    assert c.values is vals  # canonical input: values kept as given (documented)
+    c64 = c.to(torch.float64)  # a dtype given first, as torch's .to
+    assert c64.dtype == torch.float64 and c64.device == c.device
+    for bad in (lambda: c.to(dtype=torch.int64), lambda: c.to(torch.int32),
+                lambda: COO.random((3, 3), density=0.5, dtype=torch.int32)):
+        with pytest.raises(TypeError, match="floating dtype"):
+            bad()
+    with pytest.raises(ValueError, match="seed or generator, not both"):
+        COO.random((3, 3), density=0.5, seed=1, generator=torch.Generator())
+    assert COO.random((5, 6), density=np.float32(0.5), seed=1).nnz == 15
+    assert COO.random((5, 6), nnz=np.int64(4), seed=1).nnz == 4

@@ -303,3 +303,32 @@ def test_property_adjoint_identity(p):
     c = (coo.values * cpu.sddmm(dy, x, coo.topology)).sum()
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-10)
+
+
+def test_threads_calling_at_once_under_numba_workqueue():
+    # Numba's workqueue threading layer (used without TBB / OpenMP) aborts the process when two
+    # threads enter a parallel region at once: the backend runs its parallel kernels one at a time
+    import subprocess
+    import sys
+    code = """
+import threading, torch
+from snack.core import COO, cpu
+torch.set_num_threads(2)
+c = COO.random((700, 900), density=0.1, seed=0)
+x = torch.randn(40, 900)
+ref = cpu.spmm(x, c.topology, c.values)
+bad = []
+def run():
+    for _ in range(5):
+        if not torch.equal(cpu.spmm(x, c.topology, c.values), ref):
+            bad.append(1)
+        cpu.sddmm(ref, x, c.topology); cpu.spmm_t(ref, c.topology, c.values)
+ts = [threading.Thread(target=run) for _ in range(3)]
+[t.start() for t in ts]; [t.join() for t in ts]
+import numba
+print(numba.threading_layer(), len(bad))
+"""
+    env = dict(__import__("os").environ, NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["workqueue", "0"]

@@ -175,3 +175,14 @@ def test_erk_errors():
     with pytest.raises(ValueError, match="shapes"):
         erk_densities([(0, 10)], 0.5)
     assert erk_densities([], 0.5) == []
+
+
+def test_numbers_of_any_kind_and_nan_rejected():
+    assert density_to_nnz((4, 5), density=np.float32(0.5)) == 10 and density_to_nnz((4, 5), nnz=np.int32(3)) == 3
+    with pytest.raises(ValueError, match="density"):
+        density_to_nnz((4, 5), density=True)
+    with pytest.raises(ValueError, match="epsilon"):
+        erdos_renyi_density((30, 40), float("nan"))
+    assert erk_densities([(4, 5), (6, 7)], np.float32(0.5)) == erk_densities([(4, 5), (6, 7)], 0.5)
+    with pytest.raises(ValueError, match="sparsity"):
+        erk_densities([(4, 5)], float("nan"))
