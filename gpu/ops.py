@@ -90,6 +90,48 @@ def _check_values(values, nnz: int, dtype, dev: torch.device):
     _check_device("values", values, dev)
 
 
+def _span(t: torch.Tensor):
+    """(storage address, first byte, end byte) of the memory t's elements may touch."""
+    if t.numel() == 0:
+        return None
+    extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return t.untyped_storage().data_ptr(), start, start + extent * t.element_size()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether tensors a and b may share memory (same storage, intersecting byte ranges)."""
+    sa, sb = _span(a), _span(b)
+    return sa is not None and sb is not None and sa[0] == sb[0] and sa[1] < sb[2] and sb[1] < sa[2]
+
+
+def _check_no_overlap(out: torch.Tensor, **inputs) -> None:
+    """ValueError when `out` shares memory with one of the named input tensors: the kernels read
+    the inputs while other blocks write the output."""
+    for name, t in inputs.items():
+        if t is not None and overlaps(out, t):
+            raise ValueError(f"out shares memory with {name}; give an output buffer of its own")
+
+
+def _check_topo(topo) -> None:
+    if not isinstance(topo, Topology):
+        hint = " (for a snack.core.COO pass coo.topology)" if hasattr(topo, "topology") else ""
+        raise TypeError(f"topo must be a snack.core.Topology{hint}, got {type(topo).__name__}")
+
+
+def _check_options(bt, threads, wide, chunks, split) -> None:
+    """The launch options of the ops (all optional; see the module docstring)."""
+    if bt is not None and (isinstance(bt, bool) or not isinstance(bt, int) or bt not in kernels.BATCH_TILES):
+        raise ValueError(f"bt must be None or one of {kernels.BATCH_TILES}, got {bt!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+    if wide is not None and not isinstance(wide, bool):
+        raise TypeError(f"wide must be None, True or False, got {wide!r}")
+    for name, v in (("chunks", chunks), ("split", split)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
+
+
 def _check_out(out, shape, dtype, device):
     if out is None:
         return torch.empty(*shape, dtype=dtype, device=device)  # (sizes as arguments: faster to parse)
@@ -578,6 +620,9 @@ def _check_bias(bias, n_out: int, dtype, device):
 
 def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, split, bias=None):
     """Shared body of spmm (a = x, W) and spmm_t (a = dy, W^T): validate, allocate, launch."""
+    _check_topo(topo)
+    if bt is not None or threads != _THREADS or wide is not None or chunks is not None or split is not None:
+        _check_options(bt, threads, wide, chunks, split)
     dev = topo.device
     _check_common(name, a, dev)
     n_out, n_in = topo.shape
@@ -590,6 +635,8 @@ def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, 
         bias = _check_bias(bias, n_res, a.dtype, dev)
     batch = a.shape[0]
     res = _check_out(out, (batch, n_res), a.dtype, dev)
+    if out is not None:
+        _check_no_overlap(out, **{name: a, "values": values, "bias": bias})
     if batch == 0 or n_res == 0:
         return res
     if nnz == 0:
@@ -627,6 +674,7 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional
 
 def _check_pair(dy, x, topo: Topology) -> None:
     """dy (B, out) and x (B, in) for W = topo: the SDDMM's (and the fused backward's) operands."""
+    _check_topo(topo)
     _check_common("dy", dy, topo.device)
     _check_common("x", x, topo.device)
     n_out, n_in = topo.shape
@@ -647,8 +695,12 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     With bias_grad=True returns (dv, db), db (out,) = sum_b dY[b, :] (dy's dtype, summed in fp32)
     computed by the same launch from the dY values it reads anyway."""
     _check_pair(dy, x, topo)
+    if bt is not None or threads != _THREADS or wide is not None or chunks is not None:
+        _check_options(bt, threads, wide, chunks, None)
     n_out, n_in = topo.shape
     dv = _check_out(out, (topo.nnz,), x.dtype, x.device)
+    if out is not None:
+        _check_no_overlap(out, dy=dy, x=x)
     batch = x.shape[0]
 
     def done(db=None):
@@ -819,6 +871,10 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     column-major order (dY read once, no second staging); otherwise spmm_t and sddmm. Results
     have dy's dtype; x, dy, values: one dtype, on W's device."""
     _check_pair(dy, x, topo)
+    if threads != _THREADS or chunks is not None or split is not None:
+        _check_options(None, threads, None, chunks, split)
+    if fused is not None and not isinstance(fused, bool):
+        raise TypeError(f"fused must be None, True or False, got {fused!r}")
     n_out, n_in = topo.shape
     _check_values(values, topo.nnz, dy.dtype, topo.device)
     batch = dy.shape[0]

@@ -22,7 +22,7 @@ import torch
 
 from . import kernels
 from .launch import BoundLaunch, device_properties, launch_mode
-from .ops import dummy_array
+from .ops import dummy_array, overlaps
 
 __all__ = ["adam_step", "adam_steps"]
 
@@ -52,6 +52,11 @@ def _check_set(param, grad, exp_avg, exp_avg_sq, step, where: str = ""):
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         _check(name + where, t, param, n)
     _check("step" + where, step, param, 1)
+    named = (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("step", step))
+    for i, (na, a) in enumerate(named):
+        for nb, b in named[i + 1:]:
+            if overlaps(a, b):
+                raise ValueError(f"{na}{where} and {nb}{where} share memory; each needs a tensor of its own")
 
 
 def _check_hyper(lr, beta1, beta2, eps, weight_decay):
@@ -61,6 +66,12 @@ def _check_hyper(lr, beta1, beta2, eps, weight_decay):
             raise TypeError(f"{k} must be a Python number, got {type(v).__name__}")
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
         raise ValueError(f"beta1 and beta2 must be in [0, 1), got {beta1} and {beta2}")
+    if not 0.0 <= lr < math.inf:  # (NaN fails every comparison)
+        raise ValueError(f"lr must be a finite number >= 0, got {lr}")
+    if not 0.0 <= eps < math.inf:  # (0 as torch allows it)
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    if not 0.0 <= weight_decay < math.inf:
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
 
 
 # {(decoupled, n1, n2, inc, device): BoundLaunch} with the grid for n1 + n2 elements and the

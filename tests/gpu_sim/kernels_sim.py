@@ -487,6 +487,50 @@ def test_bad_input_is_rejected_before_launch():
             G.spmm_t_sddmm(*args, fused=True)
 
 
+def test_bad_options_outputs_sharing_inputs_and_a_coo_for_a_topology_are_rejected():
+    coo = COO.random((4, 6), density=0.5, seed=0)
+    t, v = coo.topology, coo.values
+    x, dy = torch.randn(3, 6), torch.randn(3, 4)
+    for kw, err, msg in ((dict(threads=48), ValueError, "threads must be a multiple of 32"),
+                         (dict(threads=0), ValueError, "threads must be a multiple of 32"),
+                         (dict(threads=2048), ValueError, "threads must be a multiple of 32"),
+                         (dict(bt=3), ValueError, r"bt must be None or one of \(1, 2, 4, 8, 16, 32\)"),
+                         (dict(bt=2.5), ValueError, "bt must be"),
+                         (dict(wide="no"), TypeError, "wide must be None, True or False"),
+                         (dict(chunks=0), ValueError, "chunks must be None or an int >= 1"),
+                         (dict(chunks=2.5), ValueError, "chunks must be"),
+                         (dict(split=-3), ValueError, "split must be None or an int >= 1")):
+        for op in (lambda: G.spmm(x, t, v, **kw), lambda: G.spmm_t(dy, t, v, **kw)):
+            with pytest.raises(err, match=msg):
+                op()
+        if "split" not in kw:
+            with pytest.raises(err, match=msg):
+                G.sddmm(dy, x, t, **kw)
+        if not {"bt", "wide"} & set(kw):
+            with pytest.raises(err, match=msg):
+                G.spmm_t_sddmm(dy, x, t, v, **kw)
+    with pytest.raises(TypeError, match="pass coo.topology"):
+        G.spmm(x, coo, v)
+    with pytest.raises(TypeError, match="topo must be a snack.core.Topology"):
+        G.sddmm(dy, x, None)
+    # an output sharing memory with an input: other blocks would read what one block writes
+    buf = torch.full((3, 4), 7.0)
+    for call, name in ((lambda: G.spmm(x, t, v, out=buf, bias=buf[0]), "bias"),
+                       (lambda: G.spmm(x, t, buf.view(-1)[:coo.nnz], out=buf), "values"),
+                       (lambda: G.spmm_t(buf, t, v, out=torch.empty(3, 6)), None),
+                       (lambda: G.sddmm(buf, x, t, out=buf.view(-1)[:coo.nnz]), "dy")):
+        if name is None:
+            call()  # distinct buffers: fine
+            continue
+        with pytest.raises(ValueError, match=f"out shares memory with {name}"):
+            call()
+        assert torch.equal(buf, torch.full((3, 4), 7.0))  # nothing written
+    sq = COO.random((6, 6), density=0.5, seed=1)
+    xs = torch.randn(6, 6)
+    with pytest.raises(ValueError, match="out shares memory with x"):
+        G.spmm(xs, sq.topology, sq.values, out=xs)
+
+
 @pytest.mark.parametrize("B", [2, 20])
 def test_fused_backward_and_its_fallback_agree(B):
     # fused=False takes spmm_t and sddmm: the same results as the fused launch (dX's sums in
@@ -655,6 +699,14 @@ def test_adam_step_bad_input():
         G.adam_step(p, grad, m, v, s, **dict(hyper, beta2=1.0))
     with pytest.raises(TypeError, match="lr must be a Python number"):
         G.adam_step(p, grad, m, v, s, **dict(hyper, lr=torch.tensor(0.1)))
+    for key, bad in (("lr", float("nan")), ("lr", -1.0), ("lr", float("inf")), ("eps", -1e-8),
+                     ("eps", float("nan")), ("weight_decay", -0.1), ("weight_decay", float("nan"))):
+        with pytest.raises(ValueError, match=f"{key} must be a finite number"):
+            G.adam_step(p, grad, m, v, s, **dict(hyper, **{key: bad}))
+    with pytest.raises(ValueError, match="exp_avg and exp_avg_sq share memory"):
+        G.adam_step(p, grad, m, m, s, **hyper)
+    with pytest.raises(ValueError, match="param and grad share memory"):
+        G.adam_step(p, p, m, v, s, **hyper)
     assert torch.equal(p, torch.zeros(5)) and torch.equal(m, torch.zeros(5))  # nothing written
 
 
