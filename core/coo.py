@@ -241,7 +241,7 @@ class COO:
 
     Args:
         indices: integer tensor (2, nnz); [0] row, [1] column. Any order; stored sorted as int32,
-                 always in a tensor of the COO's own (never the caller's).
+                 in a tensor of the COO's own (never the caller's) unless check=False.
         values:  floating tensor (nnz,) on the same device, matching `indices` entry for entry;
                  kept as given (no copy) when `indices` is already canonical, else reordered
                  (a copy).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import os
+import uuid
 from pathlib import Path
 from typing import Iterable, List, Optional
 
@@ -16,7 +17,7 @@ from typing import Iterable, List, Optional
 def _replace(path, write) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # unique per writer
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from numbers import Integral
 from typing import Optional
 
 import torch
@@ -121,14 +122,14 @@ def _check_topo(topo) -> None:
 
 def _check_options(bt, threads, wide, chunks, split) -> None:
     """The launch options of the ops (all optional; see the module docstring)."""
-    if bt is not None and (isinstance(bt, bool) or not isinstance(bt, int) or bt not in kernels.BATCH_TILES):
+    if bt is not None and (isinstance(bt, bool) or not isinstance(bt, Integral) or bt not in kernels.BATCH_TILES):
         raise ValueError(f"bt must be None or one of {kernels.BATCH_TILES}, got {bt!r}")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads % 32 or not 32 <= threads <= 1024:
+    if isinstance(threads, bool) or not isinstance(threads, Integral) or threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
     if wide is not None and not isinstance(wide, bool):
         raise TypeError(f"wide must be None, True or False, got {wide!r}")
     for name, v in (("chunks", chunks), ("split", split)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, Integral) or v < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
 
 
@@ -415,8 +416,8 @@ def wide_mode(mode: str, sddmm: bool = False):
     its own. With `sddmm` the wide SDDMM follows too (SDDMM_ROWS4): a row per group of 8 lanes
     in "rows4", a warp per row in "warp" and "own" (it has no lane-owned mode), its rule in
     "auto"; without, it keeps its rule (`_sddmm_rows4`, which reads WIDE_ROWS4_BELOW too). For
-    A/B runs (experiments/tune_kernels.py --wide-modes), tests and the sanitizer run; it sets this module's knobs, so it is not meant for threads
-    running ops at the same time."""
+    A/B runs (experiments/tune_kernels.py --wide-modes), tests and the sanitizer run; it sets
+    this module's knobs, so it is not meant for threads running ops at the same time."""
     global WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4
     if mode not in WIDE_MODES:
         raise ValueError(f"mode must be one of {WIDE_MODES}, got {mode!r}")

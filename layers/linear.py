@@ -51,7 +51,7 @@ def _warn_if_empty(nnz: int, shape, how: str) -> None:
 
 
 def _check_sparsity(sparsity) -> float:
-    if isinstance(sparsity, torch.Tensor) and sparsity.numel() == 1 and sparsity.is_floating_point():
+    if isinstance(sparsity, torch.Tensor) and sparsity.dim() == 0 and sparsity.is_floating_point():
         sparsity = float(sparsity)
     if isinstance(sparsity, bool) or not isinstance(sparsity, Real) or math.isnan(sparsity) \
             or not 0.0 <= float(sparsity) < 1.0:
@@ -122,7 +122,11 @@ class SparseLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.values = nn.Parameter(values)
-        self.register_buffer("indices", _static_address(indices.to(INDEX_DTYPE).contiguous()))
+        with torch.inference_mode(False):  # an ordinary tensor (a version counter: its topology is cached)
+            indices = indices.to(INDEX_DTYPE).contiguous()
+            if indices.is_inference():
+                indices = indices.clone()
+        self.register_buffer("indices", _static_address(indices))
         if bias is not None:
             self.bias = nn.Parameter(bias)
         else:
@@ -201,6 +205,13 @@ class SparseLinear(nn.Module):
                 error_msgs.append(f"{prefix}indices must be an integer tensor, got {idx.dtype}")
                 return
             nnz = int(idx.shape[1])
+            bias = state_dict.get(prefix + "bias")
+            if nnz != self.nnz and (
+                    (self.bias is not None and isinstance(bias, torch.Tensor) and bias.shape != self.bias.shape)
+                    or (strict and (self.bias is None) != (bias is None))):
+                # the load fails on the bias anyway (torch reports it): leave values and indices as they are
+                return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                     unexpected_keys, error_msgs)
             if nnz and idx.device.type != "meta":
                 lo, hi = idx.amin(dim=1).tolist(), idx.amax(dim=1).tolist()
                 if min(lo) < 0 or hi[0] >= self.out_features or hi[1] >= self.in_features:
@@ -209,10 +220,13 @@ class SparseLinear(nn.Module):
                         f"layer's {self.out_features} x {self.in_features} weight (a checkpoint of another shape?)")
                     return
             if nnz != self.nnz:
-                with torch.no_grad():
+                # (ordinary tensors even under torch.inference_mode: the layer must stay trainable
+                # and its topology cacheable)
+                with torch.inference_mode(False), torch.no_grad():
                     self.values.data = self.values.new_empty(nnz)
-                self._buffers["indices"] = _static_address(
-                    torch.empty(2, nnz, dtype=INDEX_DTYPE, device=self.indices.device))
+                    self.values.grad = None  # a gradient of the old size would break the next backward
+                    self._buffers["indices"] = _static_address(
+                        torch.empty(2, nnz, dtype=INDEX_DTYPE, device=self.indices.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         ind = self._buffers.get("indices")

@@ -487,3 +487,32 @@ def test_legacy_batched_gradients_raise_clearly():
     y = sparse(x, v, b)
     with pytest.raises(NotImplementedError, match="is_grads_batched"):
         torch.autograd.grad(y, x, torch.randn(2, *y.shape, dtype=y.dtype), is_grads_batched=True)
+
+
+def test_training_forward_skips_argument_binding(monkeypatch):
+    # torch's Function.apply binds arguments with inspect.signature (5-20 us of host time) for a
+    # Function with a separate setup_context; outside torch.func the op calls the C++ apply
+    import inspect
+    calls = []
+    real = inspect.signature
+
+    def signature(obj, *a, **k):
+        if getattr(obj, "__qualname__", "").startswith("SparseLinearFunction."):
+            calls.append(obj)
+        return real(obj, *a, **k)
+    monkeypatch.setattr(inspect, "signature", signature)
+    sparse, _, (x, v, b) = _sparse_and_dense(6)
+    xs, vs = x.clone().requires_grad_(), v.clone().requires_grad_()
+    sparse(xs, vs, b).sum().backward()
+    assert calls == [] and xs.grad is not None and vs.grad is not None
+    torch.func.grad(lambda v: sparse(x, v, b).sum())(v)  # under torch.func: torch's own apply
+    assert calls
+
+
+def test_vmap_over_an_empty_batch():
+    sparse, dense, (x, v, b) = _sparse_and_dense(7)
+    for in_dims, args in (((None, 0, None), (x, v.new_empty(0, v.numel()), b)),
+                          ((0, None, None), (x.new_empty(0, *x.shape), v, b)),
+                          ((None, None, 0), (x, v, b.new_empty(0, b.numel())))):
+        got = torch.func.vmap(sparse, in_dims=in_dims)(*args)
+        assert got.shape == (0, x.shape[0], b.numel())

@@ -253,13 +253,27 @@ def test_state_dict_of_another_nnz_loads():
         opt = torch.optim.Adam(dst.parameters())
         dst(x).sum().backward()
         opt.step()
-    # a checkpoint of another shape is refused before anything changes
-    small = SparseLinear(5, 4, sparsity=0.5)
-    before = {k: v.clone() for k, v in small.state_dict().items()}
-    with pytest.raises(RuntimeError, match="outside this layer's 4 x 5 weight"):
-        small.load_state_dict(src.state_dict())
-    for k, v in small.state_dict().items():
-        assert torch.equal(v, before[k])
+    # a checkpoint of another shape is refused before anything changes: indices out of range,
+    # or in range but with a bias of another size (a 7 x 10 checkpoint into an 8 x 10 layer)
+    for layer, ckpt, msg in ((SparseLinear(5, 4, sparsity=0.5), SparseLinear(9, 4, sparsity=0.3).state_dict(),
+                              "outside this layer's 4 x 5 weight"),
+                             (SparseLinear(10, 8, sparsity=0.8), SparseLinear(10, 7, sparsity=0.3).state_dict(),
+                              "size mismatch for bias"),
+                             (SparseLinear(20, 12, bias=False), src.state_dict(), "Unexpected key")):
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        with pytest.raises(RuntimeError, match=msg):
+            layer.load_state_dict(ckpt)
+        assert layer.state_dict().keys() == before.keys()
+        for k, v in layer.state_dict().items():
+            assert torch.equal(v, before[k])
+    # loaded under inference_mode, after a backward: still trainable, the old gradient dropped
+    dst = SparseLinear(20, 12, sparsity=0.9)
+    dst(x).sum().backward()
+    with torch.inference_mode():
+        dst.load_state_dict(src.state_dict())
+    assert dst.values.grad is None and not dst.indices.is_inference() and not dst.values.is_inference()
+    dst(x).sum().backward()
+    assert dst.values.grad.shape == (src.nnz,)
     bad = dict(src.state_dict(), values=src.values.detach()[:-1])
     with pytest.raises(RuntimeError, match=r"expected shapes \(2, nnz\) and \(nnz,\)"):
         SparseLinear(20, 12).load_state_dict(bad)
