@@ -203,8 +203,9 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
             `snack.core.erk_densities`: small layers denser, same total connections; layers
             that would exceed density 1 stay fully connected, still as SparseLinear).
         include: name pattern(s) (fnmatch on the qualified module name, e.g. "encoder.*"; one, or a
-            list, tuple or set of them) or
-            callables (name, module) -> bool; only matching layers are replaced (default: all).
+            list, tuple or set of them) or callables (name, module) -> bool; only matching layers
+            are replaced (default: all). A module attached in several places matches by any of
+            its names.
         exclude: the same; matching layers are left dense (applied after include).
         summary: also return the SparsifySummary.
     Each layer keeps its round(density * out * in) entries of largest |w| and its bias, device,
@@ -223,7 +224,9 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
 
     # who owns each parameter (to spot tied weights) and every place each module is attached
     owners = {}
+    names_of = {}  # every name a module is reachable by (a shared module has several)
     for mname, m in model.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(m), []).append(mname)
         for p in m.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(id(m))
     report = SparsifySummary(distribution=distribution, sparsity=sparsity)
@@ -236,8 +239,9 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
         if d is None or id(m) in seen:
             continue
         seen.add(id(m))
-        linear_names.append(name)
-        if (inc and not _matches(inc, name, m)) or (exc and _matches(exc, name, m)):
+        names = names_of.get(id(m), [name])
+        linear_names += names
+        if (inc and not any(_matches(inc, n, m) for n in names)) or (exc and any(_matches(exc, n, m) for n in names)):
             continue
         kind, w, b = d
         if len(owners.get(id(getattr(m, "weight")), ())) > 1:

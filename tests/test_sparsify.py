@@ -291,3 +291,14 @@ def test_warns_when_nothing_matches_or_model_is_already_sparse():
     with pytest.warns(UserWarning, match="sparse already"):
         sparsify(model, 0.9)
     assert all(m.density == pytest.approx(0.5, abs=0.02) for m in model.modules() if isinstance(m, SparseLinear))
+
+
+def test_a_shared_module_matches_by_any_of_its_names():
+    shared = nn.Linear(6, 6)
+    model = nn.Sequential(nn.Sequential(shared), nn.ReLU(), nn.Sequential(shared), nn.Linear(6, 2))
+    sparsify(model, 0.5, include="2.*")  # the second place's name
+    assert isinstance(model[0][0], SparseLinear) and model[0][0] is model[2][0]
+    assert isinstance(model[3], nn.Linear)
+    model = nn.Sequential(nn.Sequential(shared), nn.ReLU(), nn.Sequential(shared), nn.Linear(6, 2))
+    sparsify(model, 0.5, exclude=["2.0"])
+    assert model[0][0] is shared and isinstance(model[3], SparseLinear)
