@@ -402,9 +402,10 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
     """
     _check_tensor("x", x)
     _check_tensor("values", values, dims=1)
-    if isinstance(out_features, bool) or not isinstance(out_features, Integral):
-        raise TypeError(f"out_features must be an int, got {type(out_features).__name__}")
-    out_features = int(out_features)  # (numpy integers too)
+    if type(out_features) is not int:  # (the exact-type test first: an ABC isinstance costs ~0.5 us)
+        if isinstance(out_features, bool) or not isinstance(out_features, Integral):
+            raise TypeError(f"out_features must be an int, got {type(out_features).__name__}")
+        out_features = int(out_features)  # numpy integers
     if out_features < 0:
         raise ValueError(f"out_features must be >= 0, got {out_features}")
     if x.dim() == 0:
