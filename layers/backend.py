@@ -75,6 +75,15 @@ def get_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
     `idx, vals, _ = snack.core.canonicalize(indices, shape, values)`).
     int64 indices are accepted and converted once to int32 (the copy is cached).
     """
+    cached = _TOPOLOGIES.get(id(indices))
+    if cached is not None:  # the steady state, without building a key (about 0.5 us less per call)
+        key = cached[1]
+        try:
+            if cached[0]() is indices and key[0] == indices._version and key[1] == indices.data_ptr() \
+                    and key[2][0] == shape[0] and key[2][1] == shape[1]:
+                return cached[2]
+        except RuntimeError:  # an inference tensor (no version counter): the path below
+            pass
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
     shape = (int(shape[0]), int(shape[1]))
