@@ -206,13 +206,17 @@ def _events_us(fn, args, n: int = 50) -> float:
 
 
 def capture(fn) -> tuple:
-    """(graph, static output) of fn captured in torch.cuda.graph after a side-stream warm-up."""
+    """(graph, static output) of fn captured in torch.cuda.graph after a side-stream warm-up
+    (each preceded by `settle_autograd`: no AccumulateGrad node of an earlier pass reused)."""
+    from snack.layers.functional import settle_autograd
+    settle_autograd()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(s)
+    settle_autograd()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = fn()

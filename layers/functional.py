@@ -38,7 +38,7 @@ from torch._C._functorch import maybe_current_level as _current_level
 from . import backend, library
 from snack.core import Topology
 
-__all__ = ["sparse_linear", "SparseLinearFunction"]
+__all__ = ["sparse_linear", "SparseLinearFunction", "settle_autograd"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -380,6 +380,37 @@ def _apply(x2, values, bias, topo):
             return _apply_function(x2, values, bias, topo)
         return SparseLinearFunction.apply(x2, values, bias, topo)
     return backend.spmm(x2, topo, values, bias=bias)
+
+
+
+def settle_autograd(device=None) -> None:
+    """Returns once autograd's worker thread for the CUDA `device` (default: the current one) has
+    released the graphs of earlier backward passes. Call it between eager steps and a
+    `torch.cuda.graph` capture of a training step.
+
+    Why: autograd frees a finished graph on its device thread, and the node of a Python
+    autograd Function (SparseLinearFunction's) needs the GIL to be freed. For a moment after
+    `backward()` returns, the AccumulateGrad nodes of that pass's leaves (weights, inputs) can
+    still be alive, and the next forward then reuses them together with the stream they were
+    created on. A capture that reuses one created on the default stream fails with
+    cudaErrorStreamCaptureImplicit ("operation would make the legacy stream depend on a
+    capturing blocking stream"), and torch warns that an AccumulateGrad node's stream does not
+    match. Whether it happens depends on thread timing (H200: the second of a few eager step +
+    warm-up + capture rounds failed without this call; none of 40 failed with it). This runs a
+    one-element backward on the device: the worker reaches it only after that release, while
+    this thread waits without the GIL."""
+    if not torch.cuda.is_available():
+        return
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("settle_autograd must be called before the capture, not during it")
+    with torch.enable_grad():
+        t = torch.zeros(1, device=device, requires_grad=True)
+        (t * 1).sum().backward()
 
 
 def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, out_features: int,

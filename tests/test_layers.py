@@ -15,6 +15,7 @@ import snack
 from snack import SparseLinear
 
 from conftest import assert_close_dtype, tolerance
+from snack.layers.functional import settle_autograd
 
 F64_ATOL = tolerance(torch.float64)[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -439,6 +440,7 @@ def test_cuda_graph_training_step():
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(s)
+    settle_autograd()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         static_loss = step()
@@ -470,11 +472,13 @@ def _replayed_grads(layer, x, dy):
         x.grad = None
         layer(x).backward(dy)
 
+    settle_autograd()  # (the eager steps' AccumulateGrad nodes, on the default stream, gone)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         step()
     torch.cuda.current_stream().wait_stream(s)
+    settle_autograd()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
@@ -636,3 +640,37 @@ def test_layer_through_cuda_kernels_under_simulator():
     res = subprocess.run([sys.executable, "-c", SIM_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=300)
     assert "SIM-OK" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@cuda
+def test_settle_autograd_lets_captures_follow_eager_steps():
+    """Eager step, side-stream warm-up and capture, ten times over, with settle_autograd before
+    the warm-up and the capture: no AccumulateGrad node of an eager pass (default stream) reaches
+    a later pass (torch warns when one does), every capture succeeds and replays the eager
+    gradients."""
+    import warnings
+    for i in range(10):
+        torch.manual_seed(40 + i)
+        B = (12, 64)[i % 2]
+        layer = SparseLinear(300, 200, sparsity=0.9, device="cuda")
+        x = torch.randn(B, 300, device="cuda", requires_grad=True)
+        dy = torch.randn(B, 200, device="cuda")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer(x).backward(dy)
+            want = [x.grad.clone(), layer.values.grad.clone(), layer.bias.grad.clone()]
+            got, _graph = _replayed_grads(layer, x, dy)
+        stale = [w for w in caught if "AccumulateGrad" in str(w.message)]
+        assert not stale, (i, str(stale[0].message)[:200])
+        for name, a, b in zip(("dx", "dv", "db"), got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} round {i}: {m}")
+
+
+def test_settle_autograd_checks_its_device():
+    from snack.layers.functional import settle_autograd
+    if not torch.cuda.is_available():
+        assert settle_autograd() is None  # nothing to wait for without CUDA
+        return
+    with pytest.raises(ValueError, match="CUDA device"):
+        settle_autograd("cpu")

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import snack
+from snack.layers.functional import settle_autograd
 
 
 def _model(device="cpu"):
@@ -139,6 +140,7 @@ def test_gpu_step_captured_in_a_cuda_graph():
     with torch.cuda.stream(s):
         step(model, opt)               # state created before capture
     torch.cuda.current_stream().wait_stream(s)
+    settle_autograd()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step(model, opt)
