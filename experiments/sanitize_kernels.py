@@ -30,22 +30,28 @@ def _run_ops(G, x, dy, t, v, bias, B, tiled, opts, dt, refs):
     return worst
 
 
-def main(sums=("atomic", "parts"), tiled=False, own=False):
+def main(sums=("atomic", "parts"), tiled=False, own=False, staging=False):
     """sums: the ways of adding the wide kernels' partial results to run (ops.PARTIAL_SUMS);
     tiled: only the batch-tiled kernels (every op forced off the 32-wide ones, no fused backward),
-    a shorter run; own: only the lane-owned wide SpMMs (ops.WIDE_OWN), a shorter run."""
+    a shorter run; own: only the lane-owned wide SpMMs (ops.WIDE_OWN), a shorter run; staging:
+    only shapes with full 32-row batch tiles and runs of 32 columns (the wide kernels' staging a
+    128-byte line per load, and its leftovers), float32 and float16, a shorter run. Prints one
+    line per shape as it goes (a sanitizer run cut short still shows how far it got)."""
     import snack.gpu as G
     from snack.core import COO
     from snack.gpu import ops
     partial_sums = ops.PARTIAL_SUMS
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
-    runs = [(mode, shape) for mode in (sums[:1] if tiled else sums)
-            for shape in [(37, 53, 1, 0.3), (23, 41, 2, 0.2), (64, 29, 3, 0.2), (19, 77, 9, 0.5),
-                          (5, 40, 33, 0.9), (70, 11, 70, 0.1)]]
-    for mode, (o, i, B, d) in runs:
+    shapes = [(37, 53, 1, 0.3), (23, 41, 2, 0.2), (64, 29, 3, 0.2), (19, 77, 9, 0.5),
+              (5, 40, 33, 0.9), (70, 11, 70, 0.1)]
+    if staging:
+        shapes = [(5, 40, 33, 0.9), (21, 70, 64, 0.4), (9, 96, 45, 0.5)]
+    runs = [(mode, shape) for mode in (sums[:1] if tiled else sums) for shape in shapes]
+    for n, (mode, (o, i, B, d)) in enumerate(runs):
+        print(f"[{n + 1}/{len(runs)}] sums={mode} W {o} x {i}, B = {B}, density {d}", flush=True)
         ops.PARTIAL_SUMS = mode
-        for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for dt in (torch.float32, torch.float16) if staging else (torch.float32, torch.float16, torch.bfloat16):
             coo = COO.random((o, i), density=d, seed=o + i, device="cuda", dtype=dt)
             x = torch.randn(B, i, device="cuda", dtype=dt)
             dy = torch.randn(B, o, device="cuda", dtype=dt)
@@ -60,10 +66,10 @@ def main(sums=("atomic", "parts"), tiled=False, own=False):
             # row per group of 8 lanes and (the SpMMs) with lane-owned non-zeros; the forward
             # with and without bias
             owned = ({"wide": True, "mode": "own"}, {"wide": True, "chunks": 3, "split": 1, "mode": "own"})
-            variants = ({"wide": False},) if tiled else owned if own else (
-                {}, {"wide": True, "mode": "warp"}, {"wide": True, "mode": "rows4"},
-                {"wide": True, "chunks": 3, "split": 1, "mode": "warp"},
-                {"wide": True, "chunks": 3, "split": 1, "mode": "rows4"}) + owned
+            wide = ({"wide": True, "mode": "warp"}, {"wide": True, "mode": "rows4"},
+                    {"wide": True, "chunks": 3, "split": 1, "mode": "warp"},
+                    {"wide": True, "chunks": 3, "split": 1, "mode": "rows4"}) + owned
+            variants = ({"wide": False},) if tiled else owned if own else wide if staging else ({},) + wide
             for opts in variants:
                 opts = dict(opts)
                 with ops.wide_mode(opts.pop("mode", "auto"), sddmm=True):
@@ -112,5 +118,10 @@ if __name__ == "__main__":
                     help="only the batch-tiled kernels (and Adam): a shorter run for the sanitizers")
     ap.add_argument("--own", action="store_true",
                     help="only the lane-owned wide SpMMs (and Adam): a shorter run for the sanitizers")
+    ap.add_argument("--staging", action="store_true",
+                    help="only shapes with full 32-row batch tiles and runs of 32 columns (the wide "
+                         "kernels' line-at-a-time staging), float32 and float16: a shorter run")
     a = ap.parse_args()
-    main(tuple(a.sums), a.tiled, a.own)
+    if a.tiled + a.own + a.staging > 1:
+        ap.error("give at most one of --tiled, --own, --staging")
+    main(tuple(a.sums), a.tiled, a.own, a.staging)
