@@ -28,6 +28,7 @@ capturable; indices must therefore already be canonical row-major.
 from __future__ import annotations
 
 import math
+import types
 from numbers import Integral
 from typing import Optional
 
@@ -105,103 +106,60 @@ class SparseLinearFunction(torch.autograd.Function):
 #     sddmm:  dD = spmm(X, dh),     dX = spmm_t(D, dh)
 # so each Function's backward is made of the other two and can be differentiated again, to any
 # order, with nothing of the dense weight's size.
-class _Spmm(torch.autograd.Function):
-    """spmm(x, values) without bias, differentiable to any order."""
+def _bilinear_function(name: str, doc: str, op, vjp, fold: bool):
+    """A torch.autograd.Function `name` for op(a, b, topo), bilinear in the tensors a and b: its
+    backward is vjp(a, b, g, topo, need_a, need_b) -> (grad a, grad b), made of the three
+    Functions (so differentiable in turn); its jvp is op(da, b) + op(a, db); its vmap rule is
+    `_vmap_rule` (fold: rows of a independent, see there)."""
+    def forward(a, b, topo):
+        return op(a, b, topo)
 
-    @staticmethod
-    def forward(x, values, topo):
-        return backend.spmm(x, topo, values)
-
-    @staticmethod
     def setup_context(ctx, inputs, output):
-        x, values, topo = inputs
+        a, b, topo = inputs
         ctx.topo = topo
-        ctx.save_for_backward(x, values)
+        ctx.save_for_backward(a, b)
         if _forward_mode():
-            ctx.save_for_forward(x, values)
+            ctx.save_for_forward(a, b)
 
-    @staticmethod
     def backward(ctx, g):
-        x, values = ctx.saved_tensors
-        g = g.contiguous()
-        dx = _SpmmT.apply(g, values, ctx.topo) if ctx.needs_input_grad[0] else None
-        dv = _Sddmm.apply(g, x, ctx.topo) if ctx.needs_input_grad[1] else None
-        return dx, dv, None
+        a, b = ctx.saved_tensors
+        return vjp(a, b, g.contiguous(), ctx.topo, ctx.needs_input_grad[0], ctx.needs_input_grad[1]) + (None,)
 
-    @staticmethod
-    def jvp(ctx, dx, dvalues, _):
-        x, values = ctx.saved_tensors
-        return _tangent(_Spmm, x, values, dx, dvalues, ctx.topo)
+    def jvp(ctx, da, db, _):
+        a, b = ctx.saved_tensors
+        return _tangent(cls, a, b, da, db, ctx.topo)
 
-    @staticmethod
-    def vmap(info, in_dims, x, values, topo):
-        return _vmap_rule(_Spmm.apply, info, in_dims, (x, values), topo, fold=True)
+    def vmap(info, in_dims, a, b, topo):
+        return _vmap_rule(cls.apply, info, in_dims, (a, b), topo, fold=fold)
 
-
-class _SpmmT(torch.autograd.Function):
-    """spmm_t(dy, values) = dY W, differentiable to any order."""
-
-    @staticmethod
-    def forward(dy, values, topo):
-        return backend.spmm_t(dy, topo, values)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        dy, values, topo = inputs
-        ctx.topo = topo
-        ctx.save_for_backward(dy, values)
-        if _forward_mode():
-            ctx.save_for_forward(dy, values)
-
-    @staticmethod
-    def backward(ctx, g):
-        dy, values = ctx.saved_tensors
-        g = g.contiguous()
-        ddy = _Spmm.apply(g, values, ctx.topo) if ctx.needs_input_grad[0] else None
-        dv = _Sddmm.apply(dy, g, ctx.topo) if ctx.needs_input_grad[1] else None
-        return ddy, dv, None
-
-    @staticmethod
-    def jvp(ctx, ddy, dvalues, _):
-        dy, values = ctx.saved_tensors
-        return _tangent(_SpmmT, dy, values, ddy, dvalues, ctx.topo)
-
-    @staticmethod
-    def vmap(info, in_dims, dy, values, topo):
-        return _vmap_rule(_SpmmT.apply, info, in_dims, (dy, values), topo, fold=True)
+    body = {"__doc__": doc, "__module__": __name__, "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context), "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp), "vmap": staticmethod(vmap)}
+    cls = types.new_class(name, (torch.autograd.Function,), {}, lambda ns: ns.update(body))
+    return cls
 
 
-class _Sddmm(torch.autograd.Function):
-    """sddmm(dy, x): h_k = sum_b dY[b, r_k] X[b, c_k], differentiable to any order."""
+def _spmm_vjp(x, values, g, topo, need_x, need_v):
+    return (_SpmmT.apply(g, values, topo) if need_x else None,
+            _Sddmm.apply(g, x, topo) if need_v else None)
 
-    @staticmethod
-    def forward(dy, x, topo):
-        return backend.sddmm(dy, x, topo)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        dy, x, topo = inputs
-        ctx.topo = topo
-        ctx.save_for_backward(dy, x)
-        if _forward_mode():
-            ctx.save_for_forward(dy, x)
+def _spmm_t_vjp(dy, values, g, topo, need_dy, need_v):
+    return (_Spmm.apply(g, values, topo) if need_dy else None,
+            _Sddmm.apply(dy, g, topo) if need_v else None)
 
-    @staticmethod
-    def backward(ctx, h):
-        dy, x = ctx.saved_tensors
-        h = h.contiguous()
-        ddy = _Spmm.apply(x, h, ctx.topo) if ctx.needs_input_grad[0] else None
-        dx = _SpmmT.apply(dy, h, ctx.topo) if ctx.needs_input_grad[1] else None
-        return ddy, dx, None
 
-    @staticmethod
-    def jvp(ctx, ddy, dx, _):
-        dy, x = ctx.saved_tensors
-        return _tangent(_Sddmm, dy, x, ddy, dx, ctx.topo)
+def _sddmm_vjp(dy, x, h, topo, need_dy, need_x):
+    return (_Spmm.apply(x, h, topo) if need_dy else None,
+            _SpmmT.apply(dy, h, topo) if need_x else None)
 
-    @staticmethod
-    def vmap(info, in_dims, dy, x, topo):
-        return _vmap_rule(_Sddmm.apply, info, in_dims, (dy, x), topo, fold=False)
+
+_Spmm = _bilinear_function("_Spmm", "spmm(x, values) without bias, differentiable to any order.",
+                           lambda x, values, topo: backend.spmm(x, topo, values), _spmm_vjp, fold=True)
+_SpmmT = _bilinear_function("_SpmmT", "spmm_t(dy, values) = dY W, differentiable to any order.",
+                            lambda dy, values, topo: backend.spmm_t(dy, topo, values), _spmm_t_vjp, fold=True)
+_Sddmm = _bilinear_function("_Sddmm", "sddmm(dy, x): h_k = sum_b dY[b, r_k] X[b, c_k], differentiable to any order.",
+                            lambda dy, x, topo: backend.sddmm(dy, x, topo), _sddmm_vjp, fold=False)
 
 
 def _tangent(f, a, b, da, db, topo, dbias=None):
@@ -413,6 +371,21 @@ def settle_autograd(device=None) -> None:
         (t * 1).sum().backward()
 
 
+
+def _check_plain_indices(indices: torch.Tensor) -> None:
+    """NotImplementedError for indices that a torch.func transform has wrapped (their data
+    cannot be read); called when the topology could not be built."""
+    if not torch._C._functorch.is_functorch_wrapped_tensor(indices):
+        return
+    if torch._C._functorch.is_batchedtensor(indices):
+        raise NotImplementedError(
+            "indices is batched by torch.func.vmap (e.g. the stacked buffers of several SparseLinear "
+            "from torch.func.stack_module_state): models with different sparsity patterns cannot be "
+            "vmapped together. Models sharing one pattern can: pass the indices unbatched (in_dims "
+            "None for the buffers, values batched); else call each model in turn")
+    raise NotImplementedError("indices is wrapped by a torch.func transform; pass it from outside "
+                              "the transform (it is an integer buffer, not differentiable)")
+
 def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, out_features: int,
                   bias: Optional[torch.Tensor] = None, *, in_features: Optional[int] = None) -> torch.Tensor:
     """y = x @ W.T + bias for a sparse W of shape (out_features, in_features) given as COO.
@@ -472,7 +445,11 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
         raise TypeError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
 
     compiling = torch.compiler.is_compiling()
-    topo = None if compiling else backend.get_topology(indices, (out_features, in_f))
+    try:
+        topo = None if compiling else backend.get_topology(indices, (out_features, in_f))
+    except RuntimeError:
+        _check_plain_indices(indices)
+        raise
     flat = x.dim() != 2
     x2 = x.reshape(math.prod(x.shape[:-1]), in_f) if flat else x
     if not x2.is_contiguous():

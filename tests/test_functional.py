@@ -516,3 +516,29 @@ def test_vmap_over_an_empty_batch():
                           ((None, None, 0), (x, v, b.new_empty(0, b.numel())))):
         got = torch.func.vmap(sparse, in_dims=in_dims)(*args)
         assert got.shape == (0, x.shape[0], b.numel())
+
+
+def test_ensembles_of_layers_via_stack_module_state():
+    """torch.func.stack_module_state + functional_call over SparseLinear models: with one shared
+    pattern (indices unbatched) the vmapped outputs equal each model's; with different patterns
+    (batched indices) a NotImplementedError says so instead of a data-pointer RuntimeError."""
+    import copy
+    from torch.func import functional_call, stack_module_state
+    torch.manual_seed(3)
+    models = [snack.SparseLinear(20, 10, sparsity=0.8, dtype=torch.float64) for _ in range(3)]
+    for m in models[1:]:  # one shared pattern, different values and biases
+        m.indices = models[0].indices
+    x = torch.randn(4, 20, dtype=torch.float64)
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+
+    def shared(p, x):
+        return functional_call(base, (p, {"indices": models[0].indices}), (x,))
+    y = torch.func.vmap(shared, in_dims=(0, None))(params, x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(y[i], m(x))
+
+    fresh = [snack.SparseLinear(20, 10, sparsity=0.8, dtype=torch.float64) for _ in range(3)]
+    params, buffers = stack_module_state(fresh)
+    with pytest.raises(NotImplementedError, match="different sparsity patterns"):
+        torch.func.vmap(lambda p, b, x: functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))(params, buffers, x)
