@@ -143,7 +143,7 @@ def make_optimizer(model, args):
 
 
 def measure_train(build, device, args) -> Dict[str, float]:
-    """Peak memory (MB) above the baseline before `build()` and the eager step time (us)."""
+    """Peak memory (MiB, the column peak_mb) above the baseline before `build()` and the eager step time (us)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -223,7 +223,7 @@ def add_ratios(rows: List[dict]) -> None:
 def print_table(rows: List[dict], env: dict, args) -> None:
     print(f"GPT-2 n_layer={args.n_layer} n_embd={args.n_embd} on {env['device_name']} (commit {env['commit']}); "
           f"train batch {args.batch} x {args.seq}, infer {args.infer_batch} x {args.infer_seq}, {args.optimizer}")
-    print(f"{'phase':5s} {'sparsity':>8s} {'method':10s} {'peak MB':>9s} {'eager us':>10s} {'graph us':>10s} "
+    print(f"{'phase':5s} {'sparsity':>8s} {'method':10s} {'peak MiB':>9s} {'eager us':>10s} {'graph us':>10s} "
           f"{'mem dense/this':>14s} {'graph D+M/this':>14s} {'rel_err':>8s}")
     for r in rows:
         print(f"{r['phase']:5s} {r['sparsity']:8.2f} {r['method']:10s} {r['peak_mb']:9.1f} {r['eager_us']:10.1f} "

@@ -12,9 +12,12 @@ same random pattern and values in every method:
     cusparse   inference only: torch.mm(W_csr, X^T contiguous) (torch.sparse CSR -> cuSPARSE)
 it measures
     train      one step: forward, backward (dX and the weight gradient; x requires grad),
-               Adam step (capturable=True, so the same step can be captured; --optimizer
-               adam-fused takes torch's fused Adam kernel, --optimizer snack-adam
-               snack.optim.Adam; the same optimizer for every method)
+               Adam step (--optimizer adam-fused takes torch's fused Adam kernel, --optimizer
+               snack-adam snack.optim.Adam; the same optimizer for every method). The eager
+               time and the peak memory use Adam(capturable=False), torch's default and what
+               a user's eager loop runs; the graph time and the energy use capturable=True,
+               which capture needs (its step count lives on the GPU; torch's Adam then costs
+               more per step). The CSV's adam_capturable column says so per row
     infer      forward under torch.no_grad()
 as eager time (triton.testing.do_bench: median, L2 flushed; what a user's call costs,
 host overhead included), CUDA-graph time (the whole step captured in torch.cuda.graph, replays
@@ -295,7 +298,8 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
     """Every figure of one (method, phase, B)."""
     device = dense_w.device
     row = dict(method=method, phase=phase, B=B, eager_us=NAN, graph_us=NAN, peak_mb=NAN,
-               energy_mj=NAN, power_w=NAN, graph_check="n/a")
+               energy_mj=NAN, power_w=NAN, graph_check="n/a",
+               adam_capturable="eager and peak: False, graph and energy: True" if phase == "train" else "")
     if method == "cusparse" and phase == "train":
         return row
     g = torch.Generator(device=device).manual_seed(args.seed + B)
@@ -396,8 +400,8 @@ def print_table(rows: List[dict], env: dict, args) -> None:
           f"commit {env['commit']}  snack backend: {env['snack_backend']}")
     print(f"layer {args.out_features} x {args.in_features}, sparsity {args.sparsity}, fp32, optimizer "
           f"{args.optimizer}; times in us "
-          "(eager / graph), peak MB; x = speed-up vs dense / vs Dense+Mask (graph, else eager)")
-    print(f"{'phase':6s} {'B':>4s} {'method':10s} {'eager':>9s} {'graph':>9s} {'peak MB':>9s} "
+          "(eager / graph), peak MiB; x = speed-up vs dense / vs Dense+Mask (graph, else eager)")
+    print(f"{'phase':6s} {'B':>4s} {'method':10s} {'eager':>9s} {'graph':>9s} {'peak MiB':>9s} "
           f"{'mJ/step':>8s} {'x dense':>8s} {'x D+M':>7s} check")
     for r in rows:
         if r["method"] == "cusparse" and r["phase"] == "train":

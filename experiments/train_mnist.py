@@ -366,8 +366,8 @@ def print_table(rows) -> None:
             ("params", "params", str), ("connections", "connections", str),
             ("test acc", "test_acc", lambda v: f"{100 * v:.2f}%"),
             ("train s", "train_time_s", lambda v: f"{v:.1f}"), ("ms/step", "ms_per_step", lambda v: f"{v:.2f}"),
-            ("weights MB", "weight_bytes", _mb), ("grads MB", "grad_bytes", _mb),
-            ("optim MB", "optim_bytes", _mb), ("state MB", "state_bytes", _mb), ("peak MB", "peak_bytes", _mb)]
+            ("weights MiB", "weight_bytes", _mb), ("grads MiB", "grad_bytes", _mb),
+            ("optim MiB", "optim_bytes", _mb), ("state MiB", "state_bytes", _mb), ("peak MiB", "peak_bytes", _mb)]
     cells = [[h for h, _, _ in cols]] + [[f(r[k]) for _, k, f in cols] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
     for j, line in enumerate(cells):
