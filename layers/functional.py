@@ -342,9 +342,14 @@ def _apply(x2, values, bias, topo):
 
 
 def settle_autograd(device=None) -> None:
-    """Returns once autograd's worker thread for the CUDA `device` (default: the current one) has
-    released the graphs of earlier backward passes. Call it between eager steps and a
-    `torch.cuda.graph` capture of a training step.
+    """Returns once autograd's worker thread for each CUDA device given has freed the graphs of
+    earlier backward passes that nothing else references. Call it between eager steps and a
+    `torch.cuda.graph` capture of a training step (before the side-stream warm-up and again
+    before the capture).
+
+    device: a CUDA device (torch.device, "cuda:1", an index), an nn.Module or an iterable of
+    tensors (the CUDA devices of its parameters / of the tensors), or None for the current CUDA
+    device. Autograd has one worker thread per device: give the model's devices.
 
     Why: autograd frees a finished graph on its device thread, and the node of a Python
     autograd Function (SparseLinearFunction's) needs the GIL to be freed. For a moment after
@@ -355,21 +360,52 @@ def settle_autograd(device=None) -> None:
     capturing blocking stream"), and torch warns that an AccumulateGrad node's stream does not
     match. Whether it happens depends on thread timing (H200: the second of a few eager step +
     warm-up + capture rounds failed without this call; none of 40 failed with it). This runs a
-    one-element backward on the device: the worker reaches it only after that release, while
-    this thread waits without the GIL."""
-    if not torch.cuda.is_available():
-        return
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"device must be a CUDA device, got {device}")
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("settle_autograd must be called before the capture, not during it")
-    with torch.enable_grad():
-        t = torch.zeros(1, device=device, requires_grad=True)
-        (t * 1).sum().backward()
+    one-element backward on each device: its worker reaches it only after that release, while
+    this thread waits without the GIL.
 
+    It cannot free what something else still references: a kept loss or output of an eager
+    step, `retain_graph=True`, or a wrapper holding the AccumulateGrad nodes (DDP's reducer).
+    There, run the eager steps (and build the wrapper) under the side stream that warms the
+    capture up (`with torch.cuda.stream(s)`), so that no node is made on the default stream."""
+    if not torch.cuda.is_available():
+        _cuda_devices(device, resolve=False)  # (the argument checked all the same)
+        return
+    for dev in _cuda_devices(device):
+        with torch.cuda.device(dev):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("settle_autograd must be called before the capture, not during it")
+            with torch.inference_mode(False), torch.enable_grad():
+                t = torch.zeros(1, device=dev, requires_grad=True)
+                (t * 1).sum().backward()
+
+
+def _cuda_devices(spec, resolve: bool = True) -> list:
+    """The CUDA devices named by settle_autograd's `device` argument, in order, once each (with
+    `resolve`, "cuda" without an index is the current device)."""
+    if spec is None:
+        return [torch.device("cuda", torch.cuda.current_device())] if resolve else []
+    if isinstance(spec, torch.nn.Module):
+        spec = list(spec.parameters()) + list(spec.buffers())
+    if isinstance(spec, torch.Tensor) or not hasattr(spec, "__iter__") or isinstance(spec, str):
+        spec = [spec]
+    devices = []
+    for item in spec:
+        if isinstance(item, torch.Tensor):
+            d = item.device
+            if d.type != "cuda":
+                continue  # a module's CPU tensors have no CUDA worker to wait for
+        elif isinstance(item, bool) or not isinstance(item, (int, str, torch.device)):
+            raise TypeError("device must be a CUDA device, an index, an nn.Module or tensors, "
+                            f"got {type(item).__name__}")
+        else:
+            d = torch.device("cuda", item) if isinstance(item, int) else torch.device(item)
+            if d.type != "cuda":
+                raise ValueError(f"device must name CUDA devices, got {d}")
+        if d.index is None and resolve:
+            d = torch.device("cuda", torch.cuda.current_device())
+        if d not in devices:
+            devices.append(d)
+    return devices
 
 
 def _check_plain_indices(indices: torch.Tensor) -> None:

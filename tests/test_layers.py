@@ -667,10 +667,21 @@ def test_settle_autograd_lets_captures_follow_eager_steps():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} round {i}: {m}")
 
 
-def test_settle_autograd_checks_its_device():
-    from snack.layers.functional import settle_autograd
-    if not torch.cuda.is_available():
-        assert settle_autograd() is None  # nothing to wait for without CUDA
-        return
-    with pytest.raises(ValueError, match="CUDA device"):
-        settle_autograd("cpu")
+def test_settle_autograd_arguments():
+    """Devices, indices, modules and tensors name the CUDA workers to wait for (once each; a
+    module's CPU tensors none); other devices and types are refused, with or without CUDA; on a
+    GPU it also runs under inference_mode."""
+    from snack.layers.functional import _cuda_devices, settle_autograd
+    cuda = lambda i: torch.device("cuda", i)  # noqa: E731
+    assert _cuda_devices(["cuda:1", 0, torch.device("cuda:2"), 1], resolve=False) == [cuda(1), cuda(0), cuda(2)]
+    assert _cuda_devices(nn.Linear(3, 2), resolve=False) == []
+    assert _cuda_devices(None, resolve=False) == []
+    for bad, err in (("cpu", ValueError), (torch.device("meta"), ValueError), (True, TypeError),
+                     (1.5, TypeError), ([0, "cpu"], ValueError)):
+        with pytest.raises(err, match="device"):
+            settle_autograd(bad)
+    assert settle_autograd(nn.Linear(3, 2)) is None
+    if torch.cuda.is_available():
+        layer = SparseLinear(30, 20, sparsity=0.5, device="cuda")
+        with torch.inference_mode():
+            settle_autograd(layer)
