@@ -29,6 +29,7 @@ through `.data` or from outside torch) is not seen; change indices with ordinary
 from __future__ import annotations
 
 import contextlib
+import threading
 import importlib
 import inspect
 import weakref
@@ -247,17 +248,32 @@ def backend_name(device="cpu", dtype: torch.dtype = torch.float32) -> str:
     return b.name if b.supports(dtype) else "reference"
 
 
+_forcing = []  # (token, name) of the force_backend blocks open now, oldest first
+_forcing_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def force_backend(name: str):
-    """Within the block every op uses backend `name`: 'reference' or 'auto' (the default)."""
+    """Within the block every op uses backend `name`: 'reference' or 'auto' (the default).
+
+    The setting is process-wide, so that autograd's worker threads (which run CUDA backward
+    passes) see it too: while blocks are open, in any threads, the most recently entered one
+    decides. Each block removes its own entry on exit, so blocks of several threads may close in
+    any order and the setting then returns to the default."""
     global _forced
     if name not in ("reference", "auto"):
         raise ValueError(f"name must be 'reference' or 'auto', got {name!r}")
-    prev, _forced = _forced, (None if name == "auto" else name)
+    token = object()
+    with _forcing_lock:
+        _forcing.append((token, name))
+        _forced = None if name == "auto" else name
     try:
         yield
     finally:
-        _forced = prev
+        with _forcing_lock:
+            _forcing[:] = [e for e in _forcing if e[0] is not token]
+            last = _forcing[-1][1] if _forcing else "auto"
+            _forced = None if last == "auto" else last
 
 
 # ---- the three ops -------------------------------------------------------------------------------

@@ -542,3 +542,29 @@ def test_ensembles_of_layers_via_stack_module_state():
     params, buffers = stack_module_state(fresh)
     with pytest.raises(NotImplementedError, match="different sparsity patterns"):
         torch.func.vmap(lambda p, b, x: functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))(params, buffers, x)
+
+
+def test_force_backend_blocks_of_two_threads_closing_out_of_order():
+    """A thread's force_backend('reference') block opens, then the main thread's, then the
+    thread's closes first: the setting stays 'reference' while the main block is open and is the
+    default after both (a saved-and-restored global was left on 'reference' for good)."""
+    import threading
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        with backend.force_backend("reference"):
+            entered.set()
+            release.wait(10)
+    t = threading.Thread(target=other)
+    t.start()
+    assert entered.wait(10)
+    with backend.force_backend("reference"):
+        release.set()
+        t.join(10)  # the thread's block closed first
+        assert backend.backend_name("cpu") == "reference"
+    assert backend.backend_name("cpu") == "cpu"
+    with backend.force_backend("reference"):
+        with backend.force_backend("auto"):
+            assert backend.backend_name("cpu") == "cpu"
+        assert backend.backend_name("cpu") == "reference"
+    assert backend.backend_name("cpu") == "cpu"
