@@ -290,6 +290,10 @@ def _bias_grad(dy: torch.Tensor) -> torch.Tensor:
     n = dy.shape[0]
     ones = _ONES.get(dy.device)
     if ones is None or ones.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            # made now, the vector would come from the graph's pool and be filled only when the
+            # graph replays: an eager call before that would read garbage from the cache
+            return dy.sum(0)
         size = max(n, 64 if ones is None else 2 * ones.numel())
         ones = _ONES[dy.device] = backend._build_persistent(dy, torch.ones, size, dtype=torch.float32,
                                                             device=dy.device)

@@ -90,7 +90,13 @@ class _SnackAdamStep:
         kept = self.__dict__.setdefault("_snack_counters", {})
         have = kept.setdefault(device, [])
         if not have or have[-1].numel() < size:
-            have.append(torch.zeros(max(size, 8), dtype=torch.int32, device=device))
+            made = torch.zeros(max(size, 8), dtype=torch.int32, device=device)
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # made under capture, its zeros are written only when the graph replays: kept for
+                # the graph, never handed to an eager step
+                self.__dict__.setdefault("_snack_captured_counters", []).append(made)
+                return made
+            have.append(made)
         return have[-1]
 
     def _work(self) -> Optional[List[tuple]]:

@@ -685,3 +685,44 @@ def test_settle_autograd_arguments():
         layer = SparseLinear(30, 20, sparsity=0.5, device="cuda")
         with torch.inference_mode():
             settle_autograd(layer)
+
+
+@pytest.mark.gpu
+@cuda
+def test_bias_gradient_cache_not_filled_under_capture():
+    """Frozen values, so the bias gradient is sum_b dY from the cached vector of ones: a capture
+    at a batch larger than the cache holds must not leave a vector there whose ones are written
+    only at replay. An eager step after the capture (before any replay) and the replay both give
+    dy.sum(0)."""
+    from snack.layers import functional as Fn
+    torch.manual_seed(21)
+    layer = SparseLinear(256, 96, sparsity=0.9, device="cuda")
+    layer.values.requires_grad_(False)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cached = Fn._ONES.get(dev)
+    B = 2 * (cached.numel() if cached is not None else 64) + 3  # more rows than the cache holds
+    x = torch.randn(B, 256, device="cuda")
+    dy = torch.randn(B, 96, device="cuda")
+
+    def step():
+        layer.bias.grad = None
+        layer(x).backward(dy)
+    settle_autograd()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x[:1]).backward(dy[:1])  # a warm-up at a small batch only
+    torch.cuda.current_stream().wait_stream(s)
+    settle_autograd()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    got = layer.bias.grad
+    big = torch.randn(B, 256, device="cuda")
+    layer.bias.grad = None
+    layer(big).backward(dy)  # eager, before any replay
+    torch.testing.assert_close(layer.bias.grad, dy.sum(0), rtol=1e-5, atol=1e-5)
+    got.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, dy.sum(0), rtol=1e-5, atol=1e-5)
