@@ -485,19 +485,28 @@ class DynamicSparseTraining:
             return src[order]
 
         new_idx = torch.stack([merged // in_f, merged % in_f]).to(layer.indices.dtype)
-        layer.indices.copy_(new_idx)            # bumps the version: the topology is rebuilt
-        # now, not at the next eager call: its arrays take the new pattern in place, so a training
-        # step captured in a CUDA graph replays the new pattern
-        backend.get_topology(layer.indices, (layer.out_features, in_f))
+        # everything remapped first, written after the pattern is in: a failure on the way
+        # leaves the layer as it was, never new indices with values in the old order
         values = layer.values
-        values.copy_(remap(values.detach()))
+        writes = [(values.detach(), remap(values.detach()))]
         if values.grad is not None and values.grad.shape == (nnz,):
-            values.grad.copy_(remap(values.grad))
+            writes.append((values.grad, remap(values.grad)))
         state = self.optimizer.state.get(values) if hasattr(self.optimizer.state, "get") else None
-        if state:
-            for key, v in state.items():
-                if key != "step" and isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == nnz:
-                    v.copy_(remap(v))
+        for key, v in (state or {}).items():
+            if key != "step" and isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == nnz:
+                writes.append((v, remap(v)))
+        old_idx = layer.indices.clone()
+        layer.indices.copy_(new_idx)            # bumps the version: the topology is rebuilt
+        try:
+            # now, not at the next eager call: its arrays take the new pattern in place, so a
+            # training step captured in a CUDA graph replays the new pattern
+            backend.get_topology(layer.indices, (layer.out_features, in_f))
+        except BaseException:
+            layer.indices.copy_(old_idx)
+            raise
+        with torch.no_grad():
+            for dst, src in writes:
+                dst.copy_(src)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -180,6 +180,37 @@ def test_update_rebuilds_topology_right_away(monkeypatch):
     assert torch.equal(topo.row_ptr[1:].long(), counts.cumsum(0))
 
 
+def test_update_failing_to_build_the_topology_leaves_the_layer_as_it_was(monkeypatch):
+    """A failure while the new pattern's topology is built (out of memory, say) leaves indices,
+    values, their gradient and Adam's moments as before the update, all in one order; the layer
+    then computes as before and a later update works."""
+    from snack.layers import backend
+    torch.manual_seed(5)
+    layer = SparseLinear(40, 30, sparsity=0.7)
+    x = torch.randn(3, 40)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.01)
+    layer(x).square().sum().backward()
+    opt.step()
+    dst = SET(layer, opt, update_every=1, drop_fraction=0.3, decay="constant", seed=0)
+    before = [layer.indices.clone(), layer.values.detach().clone(), layer.values.grad.clone(),
+              opt.state[layer.values]["exp_avg"].clone(), opt.state[layer.values]["exp_avg_sq"].clone()]
+    y0 = layer(x).detach()
+
+    def fail(*a):
+        raise MemoryError("out of memory while building the topology")
+    monkeypatch.setattr(backend, "_build_topology", fail)
+    with pytest.raises(MemoryError):
+        dst.step()
+    monkeypatch.undo()
+    after = [layer.indices, layer.values.detach(), layer.values.grad,
+             opt.state[layer.values]["exp_avg"], opt.state[layer.values]["exp_avg_sq"]]
+    for name, a, b in zip(("indices", "values", "grad", "exp_avg", "exp_avg_sq"), after, before):
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(layer(x).detach(), y0)
+    assert dst.step() is not None
+    assert not torch.equal(layer.indices, before[0])
+
+
 @pytest.mark.parametrize("block", [2**21, 20, 5])
 def test_rigl_drops_smallest_and_grows_largest_dense_gradient(block):
     model = _mlp(seed=3, sizes=(13, 7, 6), sparsity=0.6)
