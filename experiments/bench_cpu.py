@@ -9,7 +9,8 @@ neighbour hurts both sides alike):
     dX        snack.core.cpu.spmm_t(dy, W)   vs dense torch.mm(dy, W_dense)
     SDDMM     snack.core.cpu.sddmm(dy, x, W) vs dense torch.mm(dy.t(), x) (the dense weight gradient)
 plus torch's own CSR matmul (`torch.mm(W_csr, x.t())`, MKL) as a second sparse baseline for the
-two SpMMs. Every timing is the median over `--rounds` x `--repeats` calls (the minimum is kept
+two SpMMs. Before timing, each op's result is checked (the SDDMM against (dy^T x) at W's non-zeros,
+in float64). Every timing is the median over `--rounds` x `--repeats` calls (the minimum is kept
 too: on a shared machine the median carries other processes' load, the minimum does not); the
 ratio is dense / snack of the medians (> 1: snack is faster). Prints a table and writes
 results/bench_cpu.csv with the machine, load average, versions and git commit. About a minute.
@@ -92,6 +93,17 @@ def git_commit() -> str:
         return "unknown"
 
 
+def check_ops(x: torch.Tensor, dy: torch.Tensor, topo, vals: torch.Tensor, wd: torch.Tensor) -> None:
+    """The three timed ops against references, before any timing: the SpMMs against dense
+    float32 products, the SDDMM (dv_k = sum_b dy[b, r_k] x[b, c_k]) against (dy^T x)[r_k, c_k]
+    in float64. Loose tolerances: float32 sums of hundreds of terms. Raises AssertionError."""
+    torch.testing.assert_close(cpu.spmm(x, topo, vals), x @ wd.t(), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(cpu.spmm_t(dy, topo, vals), dy @ wd, rtol=1e-4, atol=1e-3)
+    rows, cols = topo.indices[0].long(), topo.indices[1].long()
+    dv_ref = (dy.double().t() @ x.double())[rows, cols]
+    torch.testing.assert_close(cpu.sddmm(dy, x, topo).double(), dv_ref, rtol=1e-4, atol=1e-3)
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -141,9 +153,7 @@ def main(argv=None) -> list:
     for B in batches:
         x = torch.randn(B, n_in)
         dy = torch.randn(B, n_out)
-        # correctness first (loose: float32 sums of ~400 terms)
-        torch.testing.assert_close(cpu.spmm(x, topo, vals), x @ wd.t(), rtol=1e-4, atol=1e-3)
-        torch.testing.assert_close(cpu.spmm_t(dy, topo, vals), dy @ wd, rtol=1e-4, atol=1e-3)
+        check_ops(x, dy, topo, vals, wd)  # correctness first
         y_out = torch.empty(B, n_out)
         dx_out = torch.empty(B, n_in)
         dv_out = torch.empty(w.nnz)

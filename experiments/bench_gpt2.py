@@ -55,30 +55,34 @@ METHODS = ("snack", "dense", "densemask")
 NAN = float("nan")
 
 
+# the model and run sizes, and what --tiny takes instead for each of them not given on the command line
+DEFAULTS = dict(n_layer=12, n_embd=768, n_head=12, vocab=50257, batch=8, seq=256, infer_batch=1, infer_seq=128,
+                warmup_ms=25, rep_ms=200)
+TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab=512, batch=2, seq=16, infer_batch=1, infer_seq=16,
+            warmup_ms=5, rep_ms=20)
+HELP = dict(batch="training batch (sequences)", seq="training sequence length")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--sparsities", default="0.9,0.95,0.99")
-    p.add_argument("--n_layer", type=int, default=12)
-    p.add_argument("--n_embd", type=int, default=768)
-    p.add_argument("--n_head", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--batch", type=int, default=8, help="training batch (sequences)")
-    p.add_argument("--seq", type=int, default=256, help="training sequence length")
-    p.add_argument("--infer_batch", type=int, default=1)
-    p.add_argument("--infer_seq", type=int, default=128)
+    for key, default in DEFAULTS.items():
+        p.add_argument(f"--{key}", type=int, default=argparse.SUPPRESS,
+                       help=f"{HELP.get(key, '')} (default {default}; --tiny: {TINY[key]})".lstrip())
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "snack-adamw"])
-    p.add_argument("--warmup_ms", type=int, default=25)
-    p.add_argument("--rep_ms", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny", action="store_true", help="2 layers of width 64, short sequences: a smoke test")
+    p.add_argument("--tiny", action="store_true",
+                   help="2 layers of width 64, short sequences: a smoke test (explicit sizes still win)")
     p.add_argument("--out", default=None, help="CSV path (default results/bench_gpt2[_cpu].csv)")
     args = p.parse_args(argv)
-    if args.tiny:
-        args.n_layer, args.n_embd, args.n_head, args.vocab = 2, 64, 4, 512
-        args.batch, args.seq, args.infer_batch, args.infer_seq = 2, 16, 1, 16
-        args.rep_ms, args.warmup_ms = 20, 5
-    sp = [float(s) for s in args.sparsities.split(",") if s.strip()]
+    for key, value in (TINY if args.tiny else DEFAULTS).items():  # only the options not given
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    try:
+        sp = [float(s) for s in args.sparsities.split(",") if s.strip()]
+    except ValueError:
+        sp = []
     if not sp or any(not 0.0 <= s < 1.0 for s in sp):
         p.error(f"--sparsities must be numbers in [0, 1), got {args.sparsities!r}")
     args.sparsity_list = sp

@@ -13,11 +13,13 @@ Also measures host overhead: wall time of 1000 back-to-back forward calls at B =
 torch.nn.functional.linear with the dense weight (5 rounds, the methods taking turns, median).
 
 Usage (GPU machine):  python experiments/bench_kernels.py [--quick] [--out CSV]
-(--quick: 4096 x 4096, the 12 target points, written to results/bench_kernels_quick.csv)
+(--quick: 4096 x 4096, the 12 target points, written to results/bench_kernels_quick.csv; an
+explicit --shapes, --sparsity or --batch still wins over --quick's)
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import subprocess
@@ -35,6 +37,9 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
 from experiments.results_io import write_csv  # noqa: E402
 
 DEFAULT_SHAPES = ["4096x4096", "2304x768", "768x768", "3072x768", "768x3072"]
+# the grid, and what --quick takes instead for each option not given on the command line
+DEFAULTS = dict(shapes=",".join(DEFAULT_SHAPES), sparsity="0.5,0.8,0.9,0.95,0.99", batch="1,8,32,128,512")
+QUICK = dict(shapes="4096x4096", sparsity="0.9,0.95,0.99", batch="1,8,32,128")
 
 
 def git_commit() -> str:
@@ -42,10 +47,36 @@ def git_commit() -> str:
     if c:
         return c
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=ROOT,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
         return "unknown"
+
+
+def require_gpu(script: str, triton: bool = True) -> None:
+    """Exit with one line when this machine cannot run `script`: no CUDA GPU, or (triton=True,
+    the scripts that time with triton.testing) no triton. Call it before importing triton or
+    snack.gpu, so that a CPU machine gets the reason instead of an import traceback."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU and torch sees none (torch.cuda.is_available() is "
+                         f"False, torch {torch.__version__}): run it on the GPU machine")
+    if triton and importlib.util.find_spec("triton") is None:
+        raise SystemExit(f"{script} times with triton.testing, and triton is not installed: "
+                         "pip install triton (torch's CUDA wheels bring it)")
+
+
+def run_metadata(dtype: str, **extra) -> dict:
+    """What every GPU result row carries: the GPU, the versions (torch, numba, numba-cuda, triton,
+    CUDA, Python), the git commit, the dtype, `extra` (e.g. the measured copy bandwidth) and
+    snack.gpu's launch mode. Needs a CUDA GPU, triton and snack.gpu (see require_gpu)."""
+    import numba
+    import triton
+
+    import snack.gpu as G
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, numba=numba.__version__,
+                numba_cuda=_version("numba-cuda"), triton=triton.__version__, cuda=torch.version.cuda,
+                commit=git_commit(), python=platform.python_version(), dtype=dtype, **extra,
+                launch=G.launch_mode())
 
 
 def copy_bandwidth() -> float:
@@ -55,7 +86,6 @@ def copy_bandwidth() -> float:
     a = torch.empty(n, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
     ms = do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median")
-    del a, b
     return 2 * n * 4 / (ms * 1e-3)
 
 
@@ -67,21 +97,57 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a - ref).norm().item() / (den if den > 0 else 1.0)
 
 
-def main(argv=None):
+def _list(ap, name, text, conv):
+    try:
+        vals = [conv(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        vals = []
+    if not vals:
+        ap.error(f"--{name} must be a comma-separated list, got {text!r}")
+    return vals
+
+
+def _shape(v: str):
+    n_out, n_in = (int(d) for d in v.lower().split("x"))
+    if n_out < 1 or n_in < 1:
+        raise ValueError(v)
+    return f"{n_out}x{n_in}"
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=None, help="comma list of OUTxIN (default: 4096x4096 + GPT-2's)")
-    ap.add_argument("--sparsity", default="0.5,0.8,0.9,0.95,0.99")
-    ap.add_argument("--batch", default="1,8,32,128,512")
+    ap.add_argument("--shapes", default=argparse.SUPPRESS,
+                    help=f"comma list of OUTxIN (default {DEFAULTS['shapes']}; --quick: {QUICK['shapes']})")
+    ap.add_argument("--sparsity", default=argparse.SUPPRESS,
+                    help=f"comma list (default {DEFAULTS['sparsity']}; --quick: {QUICK['sparsity']})")
+    ap.add_argument("--batch", default=argparse.SUPPRESS,
+                    help=f"comma list (default {DEFAULTS['batch']}; --quick: {QUICK['batch']})")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    ap.add_argument("--quick", action="store_true", help="4096x4096 only, sparsity 0.9/0.95/0.99, B 1/8/32/128")
+    ap.add_argument("--quick", action="store_true",
+                    help="the target points: --shapes, --sparsity, --batch not given take --quick's values")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--out", default=None,
                     help="CSV path (default results/bench_kernels.csv, with --quick results/bench_kernels_quick.csv)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():  # only the options not given
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    args.shape_list = _list(ap, "shapes", args.shapes, _shape)
+    args.sparsity_list = _list(ap, "sparsity", args.sparsity, float)
+    if any(not 0.0 <= sp < 1.0 for sp in args.sparsity_list):
+        ap.error(f"--sparsity must be numbers in [0, 1), got {args.sparsity!r}")
+    args.batch_list = _list(ap, "batch", args.batch, int)
+    if min(args.batch_list) < 1:
+        ap.error(f"--batch must be sizes >= 1, got {args.batch!r}")
+    if args.out is None:
+        args.out = "results/bench_kernels_quick.csv" if args.quick else "results/bench_kernels.csv"
+    return args
 
-    import numba
-    import triton
+
+def main(argv=None):
+    args = parse_args(argv)
+    require_gpu("bench_kernels.py")
     from triton.testing import do_bench, do_bench_cudagraph
     from tqdm import tqdm
 
@@ -89,19 +155,12 @@ def main(argv=None):
     from snack.core import COO
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
 
-    if not torch.cuda.is_available():
-        sys.exit("bench_kernels.py needs a CUDA GPU")
     dev = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
-    shapes = ["4096x4096"] if args.quick else (args.shapes.split(",") if args.shapes else DEFAULT_SHAPES)
-    sparsities = [0.9, 0.95, 0.99] if args.quick else [float(s) for s in args.sparsity.split(",")]
-    batches = [1, 8, 32, 128] if args.quick else [int(b) for b in args.batch.split(",")]
+    shapes, sparsities, batches = args.shape_list, args.sparsity_list, args.batch_list
 
     bw = copy_bandwidth()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, numba=numba.__version__,
-                numba_cuda=_version("numba-cuda"), triton=triton.__version__, cuda=torch.version.cuda,
-                commit=git_commit(), python=platform.python_version(), dtype=args.dtype,
-                copy_bw_TBs=round(bw / 1e12, 3), launch=G.launch_mode())
+    meta = run_metadata(args.dtype, copy_bw_TBs=round(bw / 1e12, 3))
     print(meta)
     rows = []
     gen = torch.Generator().manual_seed(args.seed)
@@ -138,6 +197,10 @@ def main(argv=None):
         # (snack.gpu.fuses_backward), else spmm_t and sddmm
         bdx, bdv = G.spmm_t_sddmm(dy, x, topo, v)
         errs["backward"] = max(rel_err(bdx, refs["dX"]), rel_err(bdv, refs["SDDMM"]))
+        # and the two separate ops (the rows of method snack_separate)
+        sdx, sdv = G.spmm_t_sddmm(dy, x, topo, v, fused=False)
+        errs["backward_separate"] = max(rel_err(sdx, refs["dX"]), rel_err(sdv, refs["SDDMM"]))
+        del bdx, bdv, sdx, sdv
         del refs
         nnz = coo.nnz
         floor_bytes = 12 * nnz + 4 * B * (n_in + n_out)
@@ -177,10 +240,11 @@ def main(argv=None):
                 rows.append(dict(meta, shape=shape, out_features=n_out, in_features=n_in, sparsity=sp,
                                  batch=B, nnz=nnz, op=op, method=method, graph_us=round(g_us, 3),
                                  eager_us=round(e_us, 3),
-                                 rel_err=errs[op] if method.startswith("snack") else "",
+                                 rel_err=(errs["backward_separate"] if method == "snack_separate"
+                                          else errs[op] if method == "snack" else ""),
                                  roofline_frac=round(floor_bytes / bw / (g_us * 1e-6), 4)
                                  if (method == "snack" and op == "forward") else ""))
-        del W, M, W_csr
+        W = M = W_csr = None  # freed before the next point's are made
 
     # host overhead: 1000 back-to-back calls at B = 1, 90 % sparsity, 4096 x 4096
     coo = COO.random((4096, 4096), density=0.1, generator=gen, dtype=dtype, device=dev)
@@ -206,8 +270,6 @@ def main(argv=None):
                          nnz=coo.nnz, op="forward_1000_calls_wall", method=name, graph_us="",
                          eager_us=round(overhead[name], 3), rel_err="", roofline_frac=""))
 
-    if args.out is None:
-        args.out = "results/bench_kernels_quick.csv" if args.quick else "results/bench_kernels.csv"
     write_csv(args.out, rows)
     print_summary(rows)
     print(f"host: 1000 forward calls at B=1 (median of 5 rounds): snack {overhead['snack']:.1f} us/call "

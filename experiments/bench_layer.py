@@ -67,29 +67,37 @@ METHODS = ("snack", "dense", "densemask", "cusparse")
 NAN = float("nan")
 
 
+# the layer and run sizes, and what --quick takes instead for each of them not given on the command line
+DEFAULTS = dict(in_features=4096, out_features=4096, batches="1,8,32,128", warmup_ms=25, rep_ms=200,
+                energy_seconds=2.0)
+QUICK = dict(in_features=512, out_features=384, batches="1,8", warmup_ms=5, rep_ms=20, energy_seconds=0.2)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--in_features", type=int, default=4096)
-    p.add_argument("--out_features", type=int, default=4096)
     p.add_argument("--sparsity", type=float, default=0.9)
-    p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--warmup_ms", type=int, default=25)
-    p.add_argument("--rep_ms", type=int, default=200)
-    p.add_argument("--energy_seconds", type=float, default=2.0)
+    for key, default in DEFAULTS.items():
+        p.add_argument(f"--{key}", type=type(default), default=argparse.SUPPRESS,
+                       help=f"(default {default}; --quick: {QUICK[key]})")
     p.add_argument("--optimizer", default="adam", choices=["adam", "adam-fused", "snack-adam"],
                    help="the training step's optimizer, the same for every method: torch.optim.Adam "
                         "with its default (foreach) implementation, or fused=True, or snack.optim.Adam")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="small layer, few repeats: a smoke test")
+    p.add_argument("--quick", action="store_true",
+                   help="small layer, few repeats: a smoke test (explicit sizes still win)")
     p.add_argument("--out", default=None, help="CSV path (default results/bench_layer[_cpu].csv)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.in_features = min(args.in_features, 512)
-        args.out_features = min(args.out_features, 384)
-        args.batches = ",".join(b for b in args.batches.split(",") if int(b) <= 8) or "1"
-        args.rep_ms, args.warmup_ms, args.energy_seconds = 20, 5, 0.2
+    for key, value in (QUICK if args.quick else DEFAULTS).items():  # only the options not given
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        p.error(f"--batches must be comma-separated batch sizes >= 1, got {args.batches!r}")
     if args.out is None:
         name = "bench_layer.csv" if args.device == "cuda" else "bench_layer_cpu.csv"
         args.out = str(ROOT / "results" / name)

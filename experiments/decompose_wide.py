@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
+from experiments.bench_kernels import require_gpu, run_metadata  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 # (name, probe bits): see snack.gpu.kernels.make_spmm_wide_kernel(probe=)
@@ -38,8 +39,7 @@ def main(argv=None):
     ap.add_argument("--csv", default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("decompose_wide.py needs a CUDA GPU")
+    require_gpu("decompose_wide.py")
     from triton.testing import do_bench_cudagraph
 
     import snack.gpu as G
@@ -52,6 +52,7 @@ def main(argv=None):
     n_out, n_in = (int(v) for v in args.shape.split("x"))
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(args.seed)
+    meta = run_metadata("float32")  # in every CSV row
     rows = []
     real_zero = ops.zero
     for sp in (float(s) for s in args.sparsity.split(",")):
@@ -81,7 +82,7 @@ def main(argv=None):
                         ops.WIDE_PROBE = 0
                         ops.zero = real_zero
                 print(f"  {name:14s} {times[0]:7.2f} us   without the memset {times[1]:7.2f} us", flush=True)
-                rows.append(dict(shape=args.shape, sparsity=sp, batch=B, setting=name, probe=probe,
+                rows.append(dict(meta, shape=args.shape, sparsity=sp, batch=B, setting=name, probe=probe,
                                  us=round(times[0], 3), us_no_memset=round(times[1], 3), dense_us=round(dense, 3)))
     if args.csv:
         write_csv(args.csv, rows)

@@ -11,20 +11,30 @@ from __future__ import annotations
 import argparse
 import csv
 from collections import defaultdict
+from pathlib import Path
+
+DEFAULT_CSV = "results/bench_kernels.csv"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--csv", default="results/bench_kernels.csv")
+    ap.add_argument("--csv", default=DEFAULT_CSV)
     ap.add_argument("--out", default="papers/fig_kernels.png")
     ap.add_argument("--shape", default="4096x4096")
     args = ap.parse_args(argv)
+    if not Path(args.csv).exists():
+        if args.csv == DEFAULT_CSV:  # `make figures` redraws what has been measured
+            print(f"no {args.csv} yet (python experiments/bench_kernels.py on a GPU writes it): nothing drawn")
+            return None
+        raise SystemExit(f"{args.csv} does not exist: give --csv a CSV written by experiments/bench_kernels.py "
+                         f"(python experiments/bench_kernels.py --out {args.csv} on a GPU writes one)")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in csv.DictReader(open(args.csv)) if r["shape"] == args.shape
-            and r["op"] in ("forward", "dX", "SDDMM") and r["graph_us"] not in ("", "nan")]
+    with open(args.csv, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["shape"] == args.shape
+                and r["op"] in ("forward", "dX", "SDDMM") and r["graph_us"] not in ("", "nan")]
     if not rows:
         raise SystemExit(f"no rows for shape {args.shape} in {args.csv}")
     sps = sorted({float(r["sparsity"]) for r in rows})
@@ -75,7 +85,9 @@ def main(argv=None):
     import os
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     fig.savefig(args.out, dpi=130)
+    plt.close(fig)
     print(f"wrote {args.out}")
+    return Path(args.out)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask", "cusparse": "cuSPARSE CSR"}
 STYLE = {"snack": ("C3", "o"), "dense": ("C0", "s"), "densemask": ("C2", "^"), "cusparse": ("C1", "D")}
+DEFAULT_CSV = str(ROOT / "results" / "bench_layer.csv")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--csv", default=str(ROOT / "results" / "bench_layer.csv"))
+    p.add_argument("--csv", default=DEFAULT_CSV)
     p.add_argument("--out", default=str(ROOT / "papers" / "fig_layer.png"))
     p.add_argument("--sparsity", type=float, default=None)
     return p.parse_args(argv)
@@ -174,6 +175,12 @@ def plot(rows, sparsity, out):
 
 def main(argv=None):
     args = parse_args(argv)
+    if not Path(args.csv).exists():
+        if args.csv == DEFAULT_CSV:  # `make figures` redraws what has been measured
+            print(f"no {args.csv} yet (python experiments/bench_layer.py on a GPU writes it): nothing drawn")
+            return None
+        raise SystemExit(f"{args.csv} does not exist: give --csv a CSV written by experiments/bench_layer.py "
+                         f"(python experiments/bench_layer.py --out {args.csv} writes one; --device=cpu on a CPU)")
     rows, sparsity = load(args.csv, args.sparsity)
     out = plot(rows, sparsity, args.out)
     print(f"wrote {out}")

@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
+from experiments.bench_kernels import require_gpu  # noqa: E402
 
 
 def profile_spmm():
@@ -120,17 +121,34 @@ def profile_kernels(B: int):
             print(f"  sum of kernels {total:.1f} us/step")
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", type=int, default=None, metavar="B")
-    ap.add_argument("--optimizer", default="adam", choices=["adam", "snack-adam"])
-    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--optimizer", default=None, choices=["adam", "snack-adam"],
+                    help="--train's optimizer (default adam); --kernels runs every Adam implementation")
+    ap.add_argument("--cprofile", action="store_true", help="with --train: a cProfile of SNACK's step after it")
     ap.add_argument("--kernels", type=int, default=None, metavar="B")
-    args = ap.parse_args()
-    if args.kernels:
+    args = ap.parse_args(argv)
+    for name in ("train", "kernels"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be a batch size >= 1, got {getattr(args, name)}")
+    if args.train is not None and args.kernels is not None:
+        ap.error("give one of --train and --kernels, not both")
+    if args.optimizer is not None and args.train is None:
+        ap.error("--optimizer applies to --train only (--kernels profiles every Adam implementation; "
+                 "the default profile has no optimizer)")
+    if args.cprofile and args.train is None:
+        ap.error("--cprofile applies to --train only (the default profile is a cProfile already)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    require_gpu("profile_launch.py", triton=False)
+    if args.kernels is not None:
         profile_kernels(args.kernels)
-    elif args.train:
-        profile_train(args.train, args.optimizer, args.cprofile)
+    elif args.train is not None:
+        profile_train(args.train, args.optimizer or "adam", args.cprofile)
     else:
         profile_spmm()
 

@@ -3,7 +3,16 @@ under `compute-sanitizer --tool memcheck` and `--tool racecheck` on the GPU mach
 """
 from __future__ import annotations
 
+import argparse
+import sys
+from pathlib import Path
+
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
+from experiments.bench_kernels import require_gpu  # noqa: E402
 
 
 def _run_ops(G, x, dy, t, v, bias, B, tiled, opts, dt, refs):
@@ -109,8 +118,8 @@ def main(sums=("atomic", "parts"), tiled=False, own=False, staging=False):
     assert worst < 1e-4
 
 
-if __name__ == "__main__":
-    import argparse
+def cli(argv=None):
+    """The command line: the options checked, then the machine (one line when it has no CUDA GPU), then main()."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sums", nargs="+", choices=["atomic", "parts"], default=["atomic", "parts"],
                     help="how the wide kernels add partial results (snack.gpu.ops.PARTIAL_SUMS); default both")
@@ -121,7 +130,12 @@ if __name__ == "__main__":
     ap.add_argument("--staging", action="store_true",
                     help="only shapes with full 32-row batch tiles and runs of 32 columns (the wide "
                          "kernels' line-at-a-time staging), float32 and float16: a shorter run")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.tiled + a.own + a.staging > 1:
         ap.error("give at most one of --tiled, --own, --staging")
+    require_gpu("sanitize_kernels.py", triton=False)
     main(tuple(a.sums), a.tiled, a.own, a.staging)
+
+
+if __name__ == "__main__":
+    cli()

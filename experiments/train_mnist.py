@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
 
 import snack  # noqa: E402
 from snack.layers.backend import backend_name  # noqa: E402
-from experiments.data import load  # noqa: E402
+from experiments.data import DatasetNotFoundError, load  # noqa: E402
 from experiments.results_io import write_csv, write_text  # noqa: E402
 
 # ---- config: defaults, overridable with --key=value ------------------------------------------
@@ -114,6 +114,9 @@ def _validate(cfg: dict) -> None:
         raise ValueError(f"distribution must be 'erk' or 'uniform', got {cfg['distribution']!r}")
     if cfg["dst"] not in ("none", "set", "rigl"):
         raise ValueError(f"dst must be none, set or rigl, got {cfg['dst']!r}")
+    if cfg["dst"] != "none" and "sparse" not in models:
+        raise ValueError(f"dst={cfg['dst']} trains the sparse model, but models={cfg['models']} has none: "
+                         "add sparse to --models or leave out --dst")
     if not 0.0 <= cfg["drop_fraction"] < 1.0:
         raise ValueError(f"drop_fraction must be in [0, 1), got {cfg['drop_fraction']}")
     if cfg["update_every"] < 1:
@@ -429,4 +432,7 @@ if __name__ == "__main__":
     except ValueError as e:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    main()
+    try:
+        main()
+    except DatasetNotFoundError as e:  # the data set is not installed: its install command, on one line
+        sys.exit(f"{Path(sys.argv[0]).name}: error: " + " ".join(str(e).split()))

@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
+from experiments.bench_kernels import require_gpu, run_metadata  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 
@@ -45,6 +46,7 @@ def main(argv=None):
     ap.add_argument("--ops", default="fwd,dx,sddmm")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
+    require_gpu("tune_kernels.py")
     from triton.testing import do_bench_cudagraph
     import snack.gpu as G
     from snack.core import COO
@@ -55,6 +57,7 @@ def main(argv=None):
             ap.error(f"--wide-modes: {m!r} is not one of {gops.WIDE_MODES}")
     n_out, n_in = (int(v) for v in args.shape.split("x"))
     ops = args.ops.split(",")
+    meta = run_metadata("float32")  # in every CSV row
     rows = []
 
     def bench(fn):
@@ -117,11 +120,15 @@ def main(argv=None):
                         name += "" if mode == "auto" else f" {mode}"
                     else:
                         name = f"bt{cfg['bt']}"
-                    rows.append(dict(sparsity=sp, batch=B, config=name, threads=th, dense=t_dense, **res))
+                    rows.append(dict(meta, shape=args.shape, sparsity=sp, batch=B, config=name, threads=th,
+                                     dense=t_dense, **res))
                     print(f"{sp:5} {B:4} {name:>16} {th:5} " + " ".join(f"{res.get(o, float('nan')):8.2f}"
                           for o in ("fwd", "dx", "sddmm")) + f"   {t_dense:8.2f}", flush=True)
-    if args.csv:
+    if args.csv and rows:
         write_csv(args.csv, rows, fieldnames=sorted({k for r in rows for k in r}, key=list(rows[0]).index))
+        print(f"wrote {args.csv}")
+    elif args.csv:
+        print(f"no setting ran: {args.csv} not written")
     # best setting per point
     print("\nbest forward per point:")
     best = {}

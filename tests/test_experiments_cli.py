@@ -1,0 +1,213 @@
+"""The experiment scripts' command lines, on the CPU: --quick / --tiny fill in only the options not
+given, refused combinations and missing inputs end in a one-line message (status 2 for a usage
+error), the GPU-only scripts say they need a GPU instead of failing on an import, and
+bench_cpu.py checks the SDDMM it times. Everything runs in process except the one
+check that lives in a script's `__main__`."""
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens on a machine without a GPU")
+
+
+def _usage_error(capsys, fn, *args):
+    """fn(*args) must stop like argparse's own errors: status 2, the reason on stderr's last line."""
+    with pytest.raises(SystemExit) as e:
+        fn(*args)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _one_line_exit(fn, *args) -> str:
+    """fn(*args) must stop with a one-line message (SystemExit with text)."""
+    with pytest.raises(SystemExit) as e:
+        fn(*args)
+    msg = e.value.code
+    assert isinstance(msg, str) and msg and "\n" not in msg, msg
+    return msg
+
+
+# ---- --quick / --tiny: defaults only for what was not given ------------------------------------
+def test_bench_gpt2_tiny_keeps_explicit_sizes():
+    from experiments import bench_gpt2 as b
+    a = b.parse_args(["--device", "cpu", "--tiny", "--batch", "4", "--seq", "32"])
+    assert (a.batch, a.seq) == (4, 32)
+    assert (a.n_layer, a.n_embd, a.vocab, a.infer_seq, a.rep_ms) == (2, 64, 512, 16, 20)  # the rest tiny
+    a = b.parse_args(["--device", "cpu", "--tiny"])
+    assert {k: getattr(a, k) for k in b.TINY} == b.TINY
+    a = b.parse_args(["--n_layer", "3"])
+    assert {k: getattr(a, k) for k in b.DEFAULTS if k != "n_layer"} == {k: v for k, v in b.DEFAULTS.items()
+                                                                         if k != "n_layer"}
+    assert a.n_layer == 3
+
+
+def test_bench_layer_quick_keeps_explicit_sizes():
+    from experiments import bench_layer as b
+    a = b.parse_args(["--device", "cpu", "--quick", "--batches", "1,32", "--in_features", "1024", "--rep_ms", "50"])
+    assert (a.batches, a.in_features, a.rep_ms) == ("1,32", 1024, 50)
+    assert (a.out_features, a.warmup_ms, a.energy_seconds) == (384, 5, 0.2)
+    a = b.parse_args(["--device", "cpu", "--quick"])
+    assert {k: getattr(a, k) for k in b.QUICK} == b.QUICK
+    a = b.parse_args([])
+    assert {k: getattr(a, k) for k in b.DEFAULTS} == b.DEFAULTS
+
+
+def test_bench_layer_rejects_bad_batches(capsys):
+    from experiments import bench_layer as b
+    assert "--batches must be" in _usage_error(capsys, b.parse_args, ["--batches", "1,x"])
+    assert "--batches must be" in _usage_error(capsys, b.parse_args, ["--batches", "0"])
+
+
+def test_bench_kernels_quick_keeps_explicit_grid():
+    from experiments import bench_kernels as b
+    a = b.parse_args(["--quick", "--shapes", "768x768", "--sparsity", "0.5", "--batch", "4,64"])
+    assert (a.shape_list, a.sparsity_list, a.batch_list) == (["768x768"], [0.5], [4, 64])
+    assert a.out == "results/bench_kernels_quick.csv"
+    a = b.parse_args(["--quick", "--batch", "2"])
+    assert (a.shape_list, a.sparsity_list, a.batch_list) == (["4096x4096"], [0.9, 0.95, 0.99], [2])
+    a = b.parse_args([])
+    assert a.shape_list == b.DEFAULT_SHAPES and a.batch_list == [1, 8, 32, 128, 512]
+    assert a.sparsity_list == [0.5, 0.8, 0.9, 0.95, 0.99] and a.out == "results/bench_kernels.csv"
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--shapes", "4096"], "--shapes must be"),
+    (["--sparsity", "1.5"], "--sparsity must be"),
+    (["--batch", "0"], "--batch must be"),
+    (["--batch", "a,b"], "--batch must be"),
+])
+def test_bench_kernels_rejects_bad_grid(capsys, argv, match):
+    from experiments import bench_kernels as b
+    assert match in _usage_error(capsys, b.parse_args, argv)
+
+
+# ---- refused combinations ---------------------------------------------------------------------
+@pytest.mark.parametrize("argv,match", [
+    (["--kernels", "32", "--optimizer", "snack-adam"], "--optimizer applies to --train only"),
+    (["--optimizer", "adam"], "--optimizer applies to --train only"),
+    (["--cprofile"], "--cprofile applies to --train only"),
+    (["--kernels", "32", "--cprofile"], "--cprofile applies to --train only"),
+    (["--train", "8", "--kernels", "8"], "one of --train and --kernels"),
+    (["--train", "0"], "--train must be"),
+])
+def test_profile_launch_refuses_options_that_would_do_nothing(capsys, argv, match):
+    from experiments import profile_launch as p
+    assert match in _usage_error(capsys, p.parse_args, argv)
+
+
+def test_profile_launch_takes_optimizer_and_cprofile_with_train():
+    from experiments import profile_launch as p
+    a = p.parse_args(["--train", "8", "--optimizer", "snack-adam", "--cprofile"])
+    assert (a.train, a.optimizer, a.cprofile, a.kernels) == (8, "snack-adam", True, None)
+
+
+def test_ncu_kernels_rejects_a_malformed_case(capsys):
+    from experiments import ncu_kernels as n
+    for case in ("0.9", "0.9:x", "1.5:8", "0.9:8:narrow"):
+        assert "a case is sparsity:B" in _usage_error(capsys, n.parse_cases, [case])
+    assert n.parse_cases(["0.99:8", "0.9:32:wide"]) == [(0.99, 8, {}), (0.9, 32, {"wide": True})]
+
+
+def test_train_mnist_refuses_dst_without_a_sparse_model():
+    from experiments import train_mnist as tm
+    with pytest.raises(ValueError, match="add sparse to --models"):
+        tm.parse_config(["--dst=set", "--models=dense"])
+    assert tm.parse_config(["--dst=rigl", "--models=sparse"])["dst"] == "rigl"
+
+
+# ---- no GPU: one line, before any GPU-only import ----------------------------------------------
+@no_gpu
+@pytest.mark.parametrize("module,call", [
+    ("bench_kernels", lambda m: m.main(["--quick"])),
+    ("tune_kernels", lambda m: m.main([])),
+    ("decompose_wide", lambda m: m.main([])),
+    ("profile_launch", lambda m: m.main([])),
+    ("profile_launch", lambda m: m.main(["--train", "32"])),
+    ("ncu_kernels", lambda m: m.main([])),
+    ("sanitize_kernels", lambda m: m.cli(["--tiled"])),
+])
+def test_gpu_scripts_say_they_need_a_gpu(module, call):
+    import importlib
+    m = importlib.import_module(f"experiments.{module}")
+    msg = _one_line_exit(call, m)
+    assert "needs a CUDA GPU" in msg and "GPU machine" in msg
+
+
+@no_gpu
+def test_gpu_scripts_check_their_options_first(capsys):
+    from experiments import profile_launch, sanitize_kernels
+    assert "--cprofile applies" in _usage_error(capsys, profile_launch.main, ["--cprofile"])
+    assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--tiled", "--own"])
+
+
+# ---- missing inputs ----------------------------------------------------------------------------
+def test_plots_name_a_missing_csv(tmp_path, monkeypatch):
+    from experiments import plot_kernels, plot_layer
+    missing = str(tmp_path / "missing.csv")
+    for mod, script in ((plot_kernels, "bench_kernels.py"), (plot_layer, "bench_layer.py")):
+        msg = _one_line_exit(mod.main, ["--csv", missing, "--out", str(tmp_path / "fig.png")])
+        assert missing in msg and "does not exist" in msg and script in msg
+    assert not (tmp_path / "fig.png").exists()
+
+
+def test_plots_skip_their_default_csv_when_not_measured_yet(tmp_path, monkeypatch, capsys):
+    from experiments import plot_kernels, plot_layer
+    monkeypatch.chdir(tmp_path)  # plot_kernels' default CSV is relative to the working folder
+    monkeypatch.setattr(plot_layer, "DEFAULT_CSV", str(tmp_path / "results" / "bench_layer.csv"))
+    assert plot_kernels.main([]) is None
+    assert plot_layer.main(["--out", str(tmp_path / "fig.png")]) is None
+    out = capsys.readouterr().out
+    assert out.count("nothing drawn") == 2 and not (tmp_path / "fig.png").exists()
+
+
+def test_train_mnist_missing_dataset_is_one_line(tmp_path):
+    from experiments import data
+    if (data.FASHION_MNIST_DIR / "train-images-idx3-ubyte.gz").is_file():
+        pytest.skip("Fashion-MNIST is installed here")
+    env = dict(os.environ, SNACK_DATA_CACHE=str(tmp_path / "cache"))  # no cached copy either
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "train_mnist.py"), "--dataset=fashion-mnist",
+                        "--quick", "--progress=false", "--device=cpu", f"--out_dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "Fashion-MNIST is not installed" in line and data.FASHION_INSTALL in line
+
+
+# ---- bench_cpu: the SDDMM is checked like the SpMMs ---------------------------------------------
+def _small_problem(B=3):
+    from snack.core import COO
+    w = COO.random((24, 40), density=0.3, seed=1)
+    g = torch.Generator().manual_seed(2)
+    return (torch.randn(B, 40, generator=g), torch.randn(B, 24, generator=g), w.topology, w.values,
+            w.to_dense())
+
+
+def test_bench_cpu_checks_the_sddmm(monkeypatch):
+    from experiments import bench_cpu
+    x, dy, topo, vals, wd = _small_problem()
+    bench_cpu.check_ops(x, dy, topo, vals, wd)  # the real ops pass
+    real = bench_cpu.cpu.sddmm
+    monkeypatch.setattr(bench_cpu.cpu, "sddmm", lambda dy, x, topo, out=None: real(dy, x, topo).flip(0))
+    with pytest.raises(AssertionError):
+        bench_cpu.check_ops(x, dy, topo, vals, wd)
+
+
+def test_bench_cpu_tiny_run_writes_every_op(tmp_path):
+    import warnings
+    from experiments import bench_cpu
+    out = tmp_path / "cpu.csv"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's beta / invariant-check notes on CSR tensors
+        bench_cpu.main(["--in_features", "40", "--out_features", "24", "--batches", "1,3", "--rounds", "1",
+                        "--repeats", "1", "--warmup", "0", "--out", str(out)])
+    with open(out, newline="") as f:
+        ops = [(r["op"], r["B"]) for r in csv.DictReader(f)]
+    assert ops == [(op, B) for B in ("1", "3") for op in ("forward", "dX", "SDDMM")]
