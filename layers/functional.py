@@ -359,10 +359,11 @@ def settle_autograd(device=None) -> None:
     autograd Function (SparseLinearFunction's) needs the GIL to be freed. For a moment after
     `backward()` returns, the AccumulateGrad nodes of that pass's leaves (weights, inputs) can
     still be alive, and the next forward then reuses them together with the stream they were
-    created on. A capture that reuses one created on the default stream fails with
+    created on. A capture that reuses one created on the default stream fails: with
     cudaErrorStreamCaptureImplicit ("operation would make the legacy stream depend on a
-    capturing blocking stream"), and torch warns that an AccumulateGrad node's stream does not
-    match. Whether it happens depends on thread timing (H200: the second of a few eager step +
+    capturing blocking stream") in torch 2.11; torch 2.13 raises a RuntimeError naming the
+    stale reference to the default stream, and can redirect such nodes to the capturing stream
+    itself (`torch.autograd.graph.set_override_stale_capture_stream(True)`). Whether it happens depends on thread timing (H200: the second of a few eager step +
     warm-up + capture rounds failed without this call; none of 40 failed with it). This runs a
     one-element backward on each device: its worker reaches it only after that release, while
     this thread waits without the GIL.

@@ -155,6 +155,25 @@ def test_gpu_step_captured_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
+def test_gpu_counter_made_under_capture_is_kept_for_the_graph_only():
+    """A block counter that first has to be made during a capture (its zeros are written only
+    when the graph replays) is not handed to later eager steps; one made eagerly is reused by a
+    capture."""
+    model = _model("cuda")
+    opt = snack.optim.Adam(model.parameters(), lr=0.01)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        c = opt._counter(dev, 3)
+    assert not opt._snack_counters.get(dev)
+    eager = opt._counter(dev, 3)
+    assert eager is not c and int(eager.abs().sum()) == 0
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        assert opt._counter(dev, 3) is eager
+
+
+@pytest.mark.gpu
 def test_gpu_dst_keeps_moments_of_survivors():
     model = _model("cuda")
     opt = snack.optim.Adam(model.parameters(), lr=0.01)
