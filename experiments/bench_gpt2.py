@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:
 
 import snack  # noqa: E402
 from experiments.bench_layer import _sync, capture, environment, eager_us, graph_us  # noqa: E402
+from experiments.cli import fill_unset  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 METHODS = ("snack", "dense", "densemask")
@@ -76,9 +77,7 @@ def parse_args(argv=None):
                    help="2 layers of width 64, short sequences: a smoke test (explicit sizes still win)")
     p.add_argument("--out", default=None, help="CSV path (default results/bench_gpt2[_cpu].csv)")
     args = p.parse_args(argv)
-    for key, value in (TINY if args.tiny else DEFAULTS).items():  # only the options not given
-        if not hasattr(args, key):
-            setattr(args, key, value)
+    fill_unset(args, TINY if args.tiny else DEFAULTS)
     try:
         sp = [float(s) for s in args.sparsities.split(",") if s.strip()]
     except ValueError:

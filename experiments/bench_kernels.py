@@ -34,6 +34,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
+from experiments.cli import fill_unset  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 DEFAULT_SHAPES = ["4096x4096", "2304x768", "768x768", "3072x768", "768x3072"]
@@ -130,9 +131,7 @@ def parse_args(argv=None):
                     help="CSV path (default results/bench_kernels.csv, with --quick results/bench_kernels_quick.csv)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    for key, value in (QUICK if args.quick else DEFAULTS).items():  # only the options not given
-        if not hasattr(args, key):
-            setattr(args, key, value)
+    fill_unset(args, QUICK if args.quick else DEFAULTS)
     args.shape_list = _list(ap, "shapes", args.shapes, _shape)
     args.sparsity_list = _list(ap, "sparsity", args.sparsity, float)
     if any(not 0.0 <= sp < 1.0 for sp in args.sparsity_list):

@@ -61,6 +61,7 @@ if str(ROOT) not in sys.path:
 
 import snack  # noqa: E402
 from snack.layers import backend as snack_backend  # noqa: E402
+from experiments.cli import fill_unset  # noqa: E402
 from experiments.results_io import write_csv, write_text  # noqa: E402
 
 METHODS = ("snack", "dense", "densemask", "cusparse")
@@ -89,9 +90,7 @@ def parse_args(argv=None):
                    help="small layer, few repeats: a smoke test (explicit sizes still win)")
     p.add_argument("--out", default=None, help="CSV path (default results/bench_layer[_cpu].csv)")
     args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else DEFAULTS).items():  # only the options not given
-        if not hasattr(args, key):
-            setattr(args, key, value)
+    fill_unset(args, QUICK if args.quick else DEFAULTS)
     try:
         batches = [int(b) for b in args.batches.split(",") if b.strip()]
     except ValueError:

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from experiments.cli import csv_to_plot  # noqa: E402
 from experiments.plot_layer import _num  # noqa: E402
 
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask"}
@@ -58,11 +59,8 @@ def main(argv=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not Path(args.csv).exists():
-        if args.csv == DEFAULT_CSV:  # `make figures` redraws what has been measured
-            print(f"no {args.csv} yet (python experiments/bench_gpt2.py on a GPU writes it): nothing drawn")
-            return None
-        raise SystemExit(f"{args.csv} does not exist")
+    if not csv_to_plot(args.csv, DEFAULT_CSV, "bench_gpt2.py", "; --device cpu --tiny on a CPU"):
+        return None
     t, meta = load(args.csv)
     sps = sorted({k[2] for k in t if k[1] != "dense"})
     dense_train, dense_infer = t.get(("train", "dense", 0.0)), t.get(("infer", "dense", 0.0))

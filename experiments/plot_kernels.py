@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import argparse
 import csv
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
+
+from experiments.cli import csv_to_plot  # noqa: E402
 
 DEFAULT_CSV = "results/bench_kernels.csv"
 
@@ -22,12 +29,8 @@ def main(argv=None):
     ap.add_argument("--out", default="papers/fig_kernels.png")
     ap.add_argument("--shape", default="4096x4096")
     args = ap.parse_args(argv)
-    if not Path(args.csv).exists():
-        if args.csv == DEFAULT_CSV:  # `make figures` redraws what has been measured
-            print(f"no {args.csv} yet (python experiments/bench_kernels.py on a GPU writes it): nothing drawn")
-            return None
-        raise SystemExit(f"{args.csv} does not exist: give --csv a CSV written by experiments/bench_kernels.py "
-                         f"(python experiments/bench_kernels.py --out {args.csv} on a GPU writes one)")
+    if not csv_to_plot(args.csv, DEFAULT_CSV, "bench_kernels.py", " on a GPU"):
+        return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -18,6 +18,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
+
+from experiments.cli import csv_to_plot  # noqa: E402
+
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask", "cusparse": "cuSPARSE CSR"}
 STYLE = {"snack": ("C3", "o"), "dense": ("C0", "s"), "densemask": ("C2", "^"), "cusparse": ("C1", "D")}
 DEFAULT_CSV = str(ROOT / "results" / "bench_layer.csv")
@@ -175,12 +180,8 @@ def plot(rows, sparsity, out):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not Path(args.csv).exists():
-        if args.csv == DEFAULT_CSV:  # `make figures` redraws what has been measured
-            print(f"no {args.csv} yet (python experiments/bench_layer.py on a GPU writes it): nothing drawn")
-            return None
-        raise SystemExit(f"{args.csv} does not exist: give --csv a CSV written by experiments/bench_layer.py "
-                         f"(python experiments/bench_layer.py --out {args.csv} writes one; --device=cpu on a CPU)")
+    if not csv_to_plot(args.csv, DEFAULT_CSV, "bench_layer.py", "; --device=cpu on a CPU"):
+        return None
     rows, sparsity = load(args.csv, args.sparsity)
     out = plot(rows, sparsity, args.out)
     print(f"wrote {out}")

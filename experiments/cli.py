@@ -1,0 +1,33 @@
+"""Command-line pieces shared by the experiment scripts.
+
+`fill_unset(args, values)`: a run-size preset (--quick, --tiny) or the defaults for the options
+the command line did not give; the options are declared with `default=argparse.SUPPRESS`, so an
+explicit value always wins over the preset.
+`csv_to_plot(path, default, writer)`: whether a plot script has its CSV, or one line saying why
+not.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def fill_unset(args: argparse.Namespace, values: dict) -> None:
+    """Sets every option of `values` that is not in `args` (not given on the command line)."""
+    for key, value in values.items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+
+
+def csv_to_plot(path, default, writer: str, hint: str = "") -> bool:
+    """True when the CSV `path` exists. Without it: for the script's default CSV (not measured
+    yet; `make figures` redraws what has been measured) prints that nothing is drawn and returns
+    False; for any other path stops with one line naming `writer`, the script that writes it
+    (`hint`: what else to say about running it)."""
+    if Path(path).exists():
+        return True
+    if str(path) == str(default):
+        print(f"no {path} yet (python experiments/{writer} on a GPU writes it): nothing drawn")
+        return False
+    raise SystemExit(f"{path} does not exist: give --csv a CSV written by experiments/{writer} "
+                     f"(python experiments/{writer} --out {path} writes one{hint})")
