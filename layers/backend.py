@@ -248,7 +248,7 @@ def backend_name(device="cpu", dtype: torch.dtype = torch.float32) -> str:
     return b.name if b.supports(dtype) else "reference"
 
 
-_forcing = []  # (token, name) of the force_backend blocks open now, oldest first
+_forcing = []  # (token, backend forced or None for 'auto') of the blocks open now, oldest first
 _forcing_lock = threading.Lock()
 
 
@@ -265,15 +265,14 @@ def force_backend(name: str):
         raise ValueError(f"name must be 'reference' or 'auto', got {name!r}")
     token = object()
     with _forcing_lock:
-        _forcing.append((token, name))
-        _forced = None if name == "auto" else name
+        _forcing.append((token, None if name == "auto" else name))
+        _forced = _forcing[-1][1]
     try:
         yield
     finally:
         with _forcing_lock:
             _forcing[:] = [e for e in _forcing if e[0] is not token]
-            last = _forcing[-1][1] if _forcing else "auto"
-            _forced = None if last == "auto" else last
+            _forced = _forcing[-1][1] if _forcing else None
 
 
 # ---- the three ops -------------------------------------------------------------------------------

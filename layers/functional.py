@@ -344,7 +344,6 @@ def _apply(x2, values, bias, topo):
     return backend.spmm(x2, topo, values, bias=bias)
 
 
-
 def settle_autograd(device=None) -> None:
     """Returns once autograd's worker thread for each CUDA device given has freed the graphs of
     earlier backward passes that nothing else references. Call it between eager steps and a
@@ -363,8 +362,9 @@ def settle_autograd(device=None) -> None:
     cudaErrorStreamCaptureImplicit ("operation would make the legacy stream depend on a
     capturing blocking stream") in torch 2.11; torch 2.13 raises a RuntimeError naming the
     stale reference to the default stream, and can redirect such nodes to the capturing stream
-    itself (`torch.autograd.graph.set_override_stale_capture_stream(True)`). Whether it happens depends on thread timing (H200: the second of a few eager step +
-    warm-up + capture rounds failed without this call; none of 40 failed with it). This runs a
+    itself (`torch.autograd.graph.set_override_stale_capture_stream(True)`). Whether it happens
+    depends on thread timing (H200: the second of a few eager step + warm-up + capture rounds
+    failed without this call; none of 40 failed with it). This runs a
     one-element backward on each device: its worker reaches it only after that release, while
     this thread waits without the GIL.
 
@@ -426,6 +426,7 @@ def _check_plain_indices(indices: torch.Tensor) -> None:
             "None for the buffers, values batched); else call each model in turn")
     raise NotImplementedError("indices is wrapped by a torch.func transform; pass it from outside "
                               "the transform (it is an integer buffer, not differentiable)")
+
 
 def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, out_features: int,
                   bias: Optional[torch.Tensor] = None, *, in_features: Optional[int] = None) -> torch.Tensor:
