@@ -38,6 +38,7 @@ from snack.core import cpu
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
+from experiments.cli import comma_list  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 
@@ -55,11 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=str, default=str(ROOT / "results" / "bench_cpu.csv"))
     a = p.parse_args(argv)
-    try:
-        batches = [int(b) for b in a.batches.split(",") if b.strip()]
-    except ValueError:
-        p.error(f"--batches must be comma-separated ints, got {a.batches!r}")
-    if not batches or min(batches) < 1:
+    a.batch_list = comma_list(p, "batches", a.batches, int)
+    if min(a.batch_list) < 1:
         p.error(f"--batches must name at least one batch size >= 1, got {a.batches!r}")
     if not 0.0 <= a.sparsity < 1.0:
         p.error(f"--sparsity must be in [0, 1), got {a.sparsity}")
@@ -149,8 +147,7 @@ def main(argv=None) -> list:
                 commit=git_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 loadavg_1min=round(os.getloadavg()[0], 2))
     rows = []
-    batches = [int(b) for b in args.batches.split(",") if b]
-    for B in batches:
+    for B in args.batch_list:
         x = torch.randn(B, n_in)
         dy = torch.randn(B, n_out)
         check_ops(x, dy, topo, vals, wd)  # correctness first

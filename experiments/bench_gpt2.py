@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:
 
 import snack  # noqa: E402
 from experiments.bench_layer import _sync, capture, environment, eager_us, graph_us  # noqa: E402
-from experiments.cli import fill_unset  # noqa: E402
+from experiments.cli import comma_list, fill_unset  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 METHODS = ("snack", "dense", "densemask")
@@ -78,11 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="CSV path (default results/bench_gpt2[_cpu].csv)")
     args = p.parse_args(argv)
     fill_unset(args, TINY if args.tiny else DEFAULTS)
-    try:
-        sp = [float(s) for s in args.sparsities.split(",") if s.strip()]
-    except ValueError:
-        sp = []
-    if not sp or any(not 0.0 <= s < 1.0 for s in sp):
+    sp = comma_list(p, "sparsities", args.sparsities, float)
+    if any(not 0.0 <= s < 1.0 for s in sp):
         p.error(f"--sparsities must be numbers in [0, 1), got {args.sparsities!r}")
     args.sparsity_list = sp
     for k in ("n_layer", "n_embd", "n_head", "vocab", "batch", "seq", "infer_batch", "infer_seq"):

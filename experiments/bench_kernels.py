@@ -34,7 +34,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
-from experiments.cli import fill_unset  # noqa: E402
+from experiments.cli import comma_list, fill_unset  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 DEFAULT_SHAPES = ["4096x4096", "2304x768", "768x768", "3072x768", "768x3072"]
@@ -98,16 +98,6 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a - ref).norm().item() / (den if den > 0 else 1.0)
 
 
-def _list(ap, name, text, conv):
-    try:
-        vals = [conv(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        vals = []
-    if not vals:
-        ap.error(f"--{name} must be a comma-separated list, got {text!r}")
-    return vals
-
-
 def _shape(v: str):
     n_out, n_in = (int(d) for d in v.lower().split("x"))
     if n_out < 1 or n_in < 1:
@@ -132,11 +122,11 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     fill_unset(args, QUICK if args.quick else DEFAULTS)
-    args.shape_list = _list(ap, "shapes", args.shapes, _shape)
-    args.sparsity_list = _list(ap, "sparsity", args.sparsity, float)
+    args.shape_list = comma_list(ap, "shapes", args.shapes, _shape)
+    args.sparsity_list = comma_list(ap, "sparsity", args.sparsity, float)
     if any(not 0.0 <= sp < 1.0 for sp in args.sparsity_list):
         ap.error(f"--sparsity must be numbers in [0, 1), got {args.sparsity!r}")
-    args.batch_list = _list(ap, "batch", args.batch, int)
+    args.batch_list = comma_list(ap, "batch", args.batch, int)
     if min(args.batch_list) < 1:
         ap.error(f"--batch must be sizes >= 1, got {args.batch!r}")
     if args.out is None:

@@ -61,7 +61,7 @@ if str(ROOT) not in sys.path:
 
 import snack  # noqa: E402
 from snack.layers import backend as snack_backend  # noqa: E402
-from experiments.cli import fill_unset  # noqa: E402
+from experiments.cli import comma_list, fill_unset  # noqa: E402
 from experiments.results_io import write_csv, write_text  # noqa: E402
 
 METHODS = ("snack", "dense", "densemask", "cusparse")
@@ -91,11 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="CSV path (default results/bench_layer[_cpu].csv)")
     args = p.parse_args(argv)
     fill_unset(args, QUICK if args.quick else DEFAULTS)
-    try:
-        batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    except ValueError:
-        batches = []
-    if not batches or min(batches) < 1:
+    args.batch_list = comma_list(p, "batches", args.batches, int)
+    if min(args.batch_list) < 1:
         p.error(f"--batches must be comma-separated batch sizes >= 1, got {args.batches!r}")
     if args.out is None:
         name = "bench_layer.csv" if args.device == "cuda" else "bench_layer_cpu.csv"
@@ -430,7 +427,7 @@ def main(argv=None) -> List[dict]:
             raise SystemExit(f"--methods: unknown method {m!r}; choose from {METHODS}")
     if device.type == "cpu":
         methods = [m for m in methods if m != "cusparse"] or methods
-    batches = [int(b) for b in args.batches.split(",") if b]
+    batches = args.batch_list
     torch.manual_seed(args.seed)
     ref = snack.SparseLinear(args.in_features, args.out_features, sparsity=args.sparsity, device=device)
     dense_w = ref.to_dense().detach()
