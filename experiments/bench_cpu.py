@@ -58,7 +58,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.batch_list = comma_list(p, "batches", a.batches, int)
     if min(a.batch_list) < 1:
-        p.error(f"--batches must name at least one batch size >= 1, got {a.batches!r}")
+        p.error(f"--batches must all be >= 1, got {a.batches!r}")
     if not 0.0 <= a.sparsity < 1.0:
         p.error(f"--sparsity must be in [0, 1), got {a.sparsity}")
     for name in ("in_features", "out_features", "rounds", "repeats"):
