@@ -19,6 +19,11 @@ Config nanoGPT-style: every default below can be overridden as --key=value, e.g.
     python experiments/train_mnist.py --sparsity=0.95 --distribution=uniform --epochs=5
     python experiments/train_mnist.py --dst=rigl --epochs=20
     python experiments/train_mnist.py --quick                       # seconds: a smoke test
+sparse_learning's MNIST recipe (SGD with Nesterov momentum, lr 0.1 divided by 10 every 25000 steps,
+weight decay 5e-4, batch 100, 100 epochs on 54000 images, SET once per epoch to the end):
+    python experiments/train_mnist.py --optimizer=sgd --nesterov --lr=0.1 --lr_decay_every=25000 \
+        --weight_decay=5e-4 --batch_size=100 --epochs=100 --train_limit=54000 --distribution=uniform \
+        --dst=set --drop_fraction=0.5 --update_every=540 --dst_end=1.0
 """
 from __future__ import annotations
 
@@ -53,13 +58,17 @@ DEFAULTS = dict(
     distribution="erk",       # erk | uniform: how sparsity is spread over the layers
     dst="none",               # none | set | rigl: dynamic sparse training of the sparse model
     drop_fraction=0.3,        # dst: fraction pruned and regrown per update (cosine decay)
-    update_every=100,         # dst: steps between updates (updates stop at 75% of training)
+    update_every=100,         # dst: steps between updates
+    dst_end=0.75,             # dst: no update after this fraction of training (1.0: to the end)
     epochs=10,
     batch_size=128,
     optimizer="adam",         # adam | sgd (with momentum)
     lr=1e-3,
     momentum=0.9,             # sgd only
+    nesterov=False,           # sgd only: Nesterov momentum
     weight_decay=0.0,
+    lr_decay_every=0,         # multiply lr by lr_decay every this many steps (0: constant lr)
+    lr_decay=0.1,
     seed=0,
     device="auto",            # auto | cpu | cuda
     train_limit=0,            # use the first N training examples (0: all 60000)
@@ -121,6 +130,8 @@ def _validate(cfg: dict) -> None:
         raise ValueError(f"drop_fraction must be in [0, 1), got {cfg['drop_fraction']}")
     if cfg["update_every"] < 1:
         raise ValueError(f"update_every must be >= 1, got {cfg['update_every']}")
+    if not 0.0 < cfg["dst_end"] <= 1.0:
+        raise ValueError(f"dst_end must be in (0, 1], got {cfg['dst_end']}")
     if cfg["optimizer"] not in ("adam", "sgd"):
         raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg['optimizer']!r}")
     if cfg["device"] not in ("auto", "cpu", "cuda"):
@@ -135,6 +146,13 @@ def _validate(cfg: dict) -> None:
             raise ValueError(f"{key} must be >= 0, got {cfg[key]}")
     if not cfg["lr"] > 0:
         raise ValueError(f"lr must be positive, got {cfg['lr']}")
+    if cfg["nesterov"] and (cfg["optimizer"] != "sgd" or not cfg["momentum"] > 0):
+        raise ValueError(f"nesterov needs optimizer=sgd with momentum > 0, got optimizer={cfg['optimizer']!r}, "
+                         f"momentum={cfg['momentum']}")
+    if cfg["lr_decay_every"] < 0:
+        raise ValueError(f"lr_decay_every must be >= 0, got {cfg['lr_decay_every']}")
+    if not 0.0 < cfg["lr_decay"] <= 1.0:
+        raise ValueError(f"lr_decay must be in (0, 1], got {cfg['lr_decay']}")
 
 
 def pick_device(name: str) -> torch.device:
@@ -234,7 +252,7 @@ def make_optimizer(model: nn.Module, cfg: dict) -> torch.optim.Optimizer:
     if cfg["optimizer"] == "adam":   # snack.optim.Adam: torch's Adam; on the GPU one launch per two tensors
         return snack.optim.Adam(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
-                           weight_decay=cfg["weight_decay"])
+                           weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"])
 
 
 @torch.no_grad()
@@ -278,8 +296,11 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
     if kind == "sparse" and cfg["dst"] != "none":
         dst = {"set": snack.dst.SET, "rigl": snack.dst.RigL}[cfg["dst"]](
             model, opt, drop_fraction=cfg["drop_fraction"], update_every=cfg["update_every"],
-            total_steps=cfg["epochs"] * steps_per_epoch, seed=cfg["seed"])
-    train_time, loss_sum, accs = 0.0, 0.0, []
+            end_step=max(1, int(cfg["dst_end"] * cfg["epochs"] * steps_per_epoch)), seed=cfg["seed"])
+    sched = None
+    if cfg["lr_decay_every"]:  # stepped once per optimizer step, like the step count it counts
+        sched = torch.optim.lr_scheduler.StepLR(opt, cfg["lr_decay_every"], gamma=cfg["lr_decay"])
+    train_time, loss_sum, accs, dst_updates = 0.0, 0.0, [], 0
     for epoch in range(cfg["epochs"]):
         perm = torch.randperm(n, generator=order).to(device)
         bar = tqdm(range(steps_per_epoch), desc=f"{kind:>6} epoch {epoch + 1}/{cfg['epochs']}",
@@ -294,8 +315,10 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
             opt.step()
-            if dst is not None:
-                dst.step()  # prunes and regrows on update steps; nnz stays the same
+            if sched is not None:
+                sched.step()
+            if dst is not None and dst.step() is not None:  # prunes and regrows; nnz stays the same
+                dst_updates += 1
             loss_sum += loss.detach()
             if step % 50 == 49 and cfg["progress"]:
                 bar.set_postfix(loss=f"{float(loss):.3f}")
@@ -314,6 +337,8 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
         sparsity=cfg["sparsity"] if kind == "sparse" else 0.0,
         distribution=cfg["distribution"] if kind == "sparse" else "",
         dst=cfg["dst"] if kind == "sparse" else "none",
+        dst_updates=dst_updates,
+        final_lr=opt.param_groups[0]["lr"],
         achieved_sparsity=round(1.0 - connections(model) / connections(init), 6),
         params=sum(p.numel() for p in model.parameters()),
         connections=connections(model),
@@ -394,9 +419,10 @@ def main(argv=None) -> list:
     device = pick_device(cfg["device"])
     env = environment(device)
     dst = "" if cfg["dst"] == "none" else f", dynamic sparse training: {cfg['dst']}"
+    decay = f" x{cfg['lr_decay']} every {cfg['lr_decay_every']} steps" if cfg["lr_decay_every"] else ""
     print(f"train_mnist: {cfg['dataset']} LeNet-300-100, dense vs snack.SparseLinear at sparsity "
           f"{cfg['sparsity']} ({cfg['distribution']}{dst}), {cfg['epochs']} epoch(s), batch {cfg['batch_size']}, "
-          f"{cfg['optimizer']} lr {cfg['lr']}, on {env['device']} ({env['device_name']}, "
+          f"{cfg['optimizer']} lr {cfg['lr']}{decay}, on {env['device']} ({env['device_name']}, "
           f"{env['cpu_threads']} CPU threads), sparse backend '{env['sparse_backend']}', torch {env['torch']}, "
           f"commit {env['git_commit'] or '?'}", flush=True)
 

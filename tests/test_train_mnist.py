@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "experiments" / "train_mnist.py"
@@ -91,6 +93,23 @@ def test_quick_run_with_dynamic_sparse_training(tmp_path, dst):
         assert next(csv.DictReader(f))["dst"] == dst
 
 
+@pytest.mark.parametrize("dst_end,updates", [(1.0, 3), (0.5, 1)])
+def test_sgd_recipe_options_reach_the_optimizer_schedule_and_dst(tmp_path, dst_end, updates):
+    from experiments import train_mnist as tm
+    # 640 images in batches of 64: 10 steps per epoch, 20 in all
+    rows = tm.main(["--models=dense,sparse", "--dst=set", "--optimizer=sgd", "--nesterov", "--lr=0.1",
+                    "--lr_decay_every=5", "--lr_decay=0.5", "--weight_decay=5e-4", "--epochs=2",
+                    "--batch_size=64", "--train_limit=640", "--test_limit=100", "--update_every=5",
+                    f"--dst_end={dst_end}", "--progress=false", "--device=cpu", f"--out_dir={tmp_path}"])
+    for r in rows:
+        assert r["final_lr"] == pytest.approx(0.1 * 0.5 ** 4)  # decayed at steps 5, 10, 15, 20
+    # updates at steps 5, 10, 15 before end_step 20 (dst_end=1.0), or at 5 before 10 (0.5)
+    assert [r["dst_updates"] for r in rows] == [0, updates]
+    cfg = tm.parse_config(["--optimizer=sgd", "--nesterov", "--momentum=0.8"])
+    opt = tm.make_optimizer(nn.Linear(3, 2), cfg)
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["nesterov"] and opt.defaults["momentum"] == 0.8
+
+
 def test_config_overrides():
     from experiments import train_mnist as tm
     cfg = tm.parse_config([])
@@ -109,6 +128,12 @@ def test_config_overrides():
     (["--device=tpu"], "device must be"),
     (["--dst=snip"], "dst must be"),
     (["--update_every=0"], "update_every must be >= 1"),
+    (["--dst_end=0"], "dst_end must be in"),
+    (["--dst_end=1.5"], "dst_end must be in"),
+    (["--nesterov"], "nesterov needs optimizer=sgd"),
+    (["--optimizer=sgd", "--momentum=0", "--nesterov"], "nesterov needs optimizer=sgd with momentum > 0"),
+    (["--lr_decay_every=-1"], "lr_decay_every must be >= 0"),
+    (["--lr_decay=0"], "lr_decay must be in"),
 ])
 def test_bad_config_raises(argv, match):
     from experiments import train_mnist as tm
