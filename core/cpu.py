@@ -522,9 +522,27 @@ def _parallel_lock(n: int):
     return _PARALLEL_LOCK if n > 1 else contextlib.nullcontext()
 
 
+_pool_started = False
+
+
+def _start_numba_pool() -> None:
+    """Starts Numba's thread pool, keeping torch's intra-op thread count: with the "omp" threading
+    layer Numba shares torch's OpenMP runtime, and starting its pool sets OpenMP's thread count
+    to NUMBA_NUM_THREADS, which would silently undo a torch.set_num_threads(k) made before the
+    first sparse call (and make torch's own ops use every core). Numba changes it only then."""
+    global _pool_started
+    if not _pool_started:
+        keep = torch.get_num_threads()
+        numba.get_num_threads()  # starts the pool
+        if torch.get_num_threads() != keep:
+            torch.set_num_threads(keep)
+        _pool_started = True
+
+
 def _threads(work: int) -> int:
     """Threads for a call doing `work` multiply-adds: torch.get_num_threads() (capped by Numba's
     pool), or 1 below _PARALLEL_MIN_WORK. Sets Numba's thread count to match."""
+    _start_numba_pool()
     n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if work < _PARALLEL_MIN_WORK:
         return 1

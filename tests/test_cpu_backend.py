@@ -332,3 +332,34 @@ print(numba.threading_layer(), len(bad))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["workqueue", "0"]
+
+
+@pytest.mark.parametrize("layer", ["omp", "default"])
+def test_torch_thread_count_survives_numba_starting_its_pool(layer):
+    # Numba's "omp" layer shares torch's OpenMP runtime; starting its pool used to reset the
+    # thread count that torch.set_num_threads had chosen before the first sparse call
+    import os
+    import subprocess
+    import sys
+    code = """
+import torch
+torch.set_num_threads(1)
+from snack.core import COO, cpu
+c = COO.random((700, 900), density=0.1, seed=0)
+x = torch.randn(40, 900)  # above the parallel threshold: the backend asks Numba for its threads
+y = cpu.spmm(x, c.topology, c.values)
+dv = cpu.sddmm(y, x, c.topology)
+import numba
+print(numba.threading_layer(), torch.get_num_threads(), numba.get_num_threads())
+"""
+    env = dict(os.environ, NUMBA_NUM_THREADS="3")
+    if layer == "omp":
+        env["NUMBA_THREADING_LAYER"] = "omp"
+    else:
+        env.pop("NUMBA_THREADING_LAYER", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    name, torch_threads, numba_threads = r.stdout.split()
+    assert (torch_threads, numba_threads) == ("1", "1"), r.stdout
+    if layer == "omp":
+        assert name == "omp"
