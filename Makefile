@@ -9,6 +9,7 @@
 #   make install TORCH= EXTRAS=experiments,test,gpu   # GPU machine: keep the CUDA torch you installed
 #   make test | demo | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
 #   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2   (the other CSVs REPRODUCTION.md cites)
+#   make -j2 mnist-recipe                         # LeNet-300-100 with sparse_learning's recipe, dense / SET / RigL
 
 VENV    ?= .venv
 PY      ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python)
@@ -110,6 +111,29 @@ figure-mnist:
 	@set -e; for s in 0.95 0.98 0.99; do \
 	  $(PY) experiments/train_mnist.py --models=sparse --sparsity=$$s --epochs=20 --progress=false --out_dir=results/mnist/s$$s; \
 	done
+
+# The same LeNet-300-100 with sparse_learning's recipe (SGD + Nesterov, lr 0.1 / 10 every 25000
+# steps, weight decay 5e-4, batch 100, 100 epochs on 54000 images, uniform density, SET or RigL
+# once per epoch with drop fraction 0.5 to the end): results/mnist/recipe-{dense,set-s<s>,rigl-s<s>}/.
+# About 5-10 minutes per model on one core; the runs are independent (make -j2 mnist-recipe).
+RECIPE := --optimizer=sgd --nesterov --lr=0.1 --lr_decay_every=25000 --weight_decay=5e-4 --batch_size=100 \
+          --epochs=100 --train_limit=54000 --distribution=uniform --threads=1 --progress=false
+RECIPE_DST := --drop_fraction=0.5 --update_every=540 --dst_end=1.0
+RECIPE_SPARSITIES := 0.9 0.95 0.98 0.99
+RECIPE_SET  := $(foreach s,$(RECIPE_SPARSITIES),recipe-set-s$(s))
+RECIPE_RIGL := $(foreach s,$(RECIPE_SPARSITIES),recipe-rigl-s$(s))
+.PHONY: mnist-recipe recipe-dense $(RECIPE_SET) $(RECIPE_RIGL)
+
+mnist-recipe: recipe-dense $(RECIPE_SET) $(RECIPE_RIGL)
+
+recipe-dense:
+	$(PY) experiments/train_mnist.py $(RECIPE) --models=dense --out_dir=results/mnist/$@
+
+$(RECIPE_SET): recipe-set-s%:
+	$(PY) experiments/train_mnist.py $(RECIPE) $(RECIPE_DST) --models=sparse --dst=set --sparsity=$* --out_dir=results/mnist/$@
+
+$(RECIPE_RIGL): recipe-rigl-s%:
+	$(PY) experiments/train_mnist.py $(RECIPE) $(RECIPE_DST) --models=sparse --dst=rigl --sparsity=$* --out_dir=results/mnist/$@
 
 clean-cache:
 	rm -rf data_cache

@@ -72,3 +72,25 @@ def test_packages_map_to_folders_that_exist():
 def test_the_pin_check_sees_a_mismatch():
     assert _pins("pip install torch==2.13.0 && pip install mytorch==1.0", "torch") == {"2.13.0"}
     assert _pins("- torch==2.12.1\n", "torch") == {"2.12.1"}
+
+
+def test_make_mnist_recipe_runs_valid_configs_into_their_own_folders():
+    import shlex
+    import shutil
+    import subprocess
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    from experiments import train_mnist as tm
+    out = subprocess.run(["make", "-n", "mnist-recipe"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    runs = [shlex.split(line) for line in out.replace("\\\n", " ").splitlines() if "train_mnist.py" in line]
+    assert len(runs) == 9  # dense, then SET and RigL at four sparsities
+    folders = set()
+    for argv in runs:
+        cfg = tm.parse_config(argv[argv.index("experiments/train_mnist.py") + 1:])
+        assert (cfg["optimizer"], cfg["nesterov"], cfg["epochs"], cfg["batch_size"]) == ("sgd", True, 100, 100)
+        assert cfg["models"] == "dense" or (cfg["dst"] in ("set", "rigl") and cfg["dst_end"] == 1.0)
+        name = Path(cfg["out_dir"]).name
+        want = "recipe-dense" if cfg["models"] == "dense" else f"recipe-{cfg['dst']}-s{cfg['sparsity']}"
+        assert name == want
+        folders.add(name)
+    assert len(folders) == 9
