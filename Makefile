@@ -9,7 +9,7 @@
 #   make install TORCH= EXTRAS=experiments,test,gpu   # GPU machine: keep the CUDA torch you installed
 #   make test | demo | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
 #   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2   (the other CSVs REPRODUCTION.md cites)
-#   make -j2 mnist-recipe                         # LeNet-300-100 with sparse_learning's recipe, dense / SET / RigL
+#   make -j2 mnist-recipe [DIST=erk]              # LeNet-300-100 with sparse_learning's recipe, dense / SET / RigL
 
 VENV    ?= .venv
 PY      ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python)
@@ -113,27 +113,30 @@ figure-mnist:
 	done
 
 # The same LeNet-300-100 with sparse_learning's recipe (SGD + Nesterov, lr 0.1 / 10 every 25000
-# steps, weight decay 5e-4, batch 100, 100 epochs on 54000 images, uniform density, SET or RigL
-# once per epoch with drop fraction 0.5 to the end): results/mnist/recipe-{dense,set-s<s>,rigl-s<s>}/.
-# About 5-10 minutes per model on one core; the runs are independent (make -j2 mnist-recipe).
+# steps, weight decay 5e-4, batch 100, 100 epochs on 54000 images, SET or RigL once per epoch with
+# drop fraction 0.5 to the end), per-layer density uniform as theirs (DIST=erk: ERK, without the
+# dense run): results/mnist/recipe-{dense,set-s<s>,rigl-s<s>}/ (recipe-erk-{set,rigl}-s<s>/).
+# A few minutes per model on one core; the runs are independent (make -j2 runs two at once).
+DIST ?= uniform
+RECIPE_TAG := $(if $(filter uniform,$(DIST)),,$(DIST)-)
 RECIPE := --optimizer=sgd --nesterov --lr=0.1 --lr_decay_every=25000 --weight_decay=5e-4 --batch_size=100 \
-          --epochs=100 --train_limit=54000 --distribution=uniform --threads=1 --progress=false
-RECIPE_DST := --drop_fraction=0.5 --update_every=540 --dst_end=1.0
+          --epochs=100 --train_limit=54000 --threads=1 --progress=false
+RECIPE_DST := $(RECIPE) --distribution=$(DIST) --drop_fraction=0.5 --update_every=540 --dst_end=1.0 --models=sparse
 RECIPE_SPARSITIES := 0.9 0.95 0.98 0.99
 RECIPE_SET  := $(foreach s,$(RECIPE_SPARSITIES),recipe-set-s$(s))
 RECIPE_RIGL := $(foreach s,$(RECIPE_SPARSITIES),recipe-rigl-s$(s))
 .PHONY: mnist-recipe recipe-dense $(RECIPE_SET) $(RECIPE_RIGL)
 
-mnist-recipe: recipe-dense $(RECIPE_SET) $(RECIPE_RIGL)
+mnist-recipe: $(if $(RECIPE_TAG),,recipe-dense) $(RECIPE_SET) $(RECIPE_RIGL)
 
 recipe-dense:
 	$(PY) experiments/train_mnist.py $(RECIPE) --models=dense --out_dir=results/mnist/$@
 
 $(RECIPE_SET): recipe-set-s%:
-	$(PY) experiments/train_mnist.py $(RECIPE) $(RECIPE_DST) --models=sparse --dst=set --sparsity=$* --out_dir=results/mnist/$@
+	$(PY) experiments/train_mnist.py $(RECIPE_DST) --dst=set --sparsity=$* --out_dir=results/mnist/recipe-$(RECIPE_TAG)set-s$*
 
 $(RECIPE_RIGL): recipe-rigl-s%:
-	$(PY) experiments/train_mnist.py $(RECIPE) $(RECIPE_DST) --models=sparse --dst=rigl --sparsity=$* --out_dir=results/mnist/$@
+	$(PY) experiments/train_mnist.py $(RECIPE_DST) --dst=rigl --sparsity=$* --out_dir=results/mnist/recipe-$(RECIPE_TAG)rigl-s$*
 
 clean-cache:
 	rm -rf data_cache

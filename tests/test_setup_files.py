@@ -74,23 +74,28 @@ def test_the_pin_check_sees_a_mismatch():
     assert _pins("- torch==2.12.1\n", "torch") == {"2.12.1"}
 
 
-def test_make_mnist_recipe_runs_valid_configs_into_their_own_folders():
+@pytest.mark.parametrize("dist,runs", [("uniform", 9), ("erk", 8)])
+def test_make_mnist_recipe_runs_valid_configs_into_their_own_folders(dist, runs):
     import shlex
     import shutil
     import subprocess
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
     from experiments import train_mnist as tm
-    out = subprocess.run(["make", "-n", "mnist-recipe"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    runs = [shlex.split(line) for line in out.replace("\\\n", " ").splitlines() if "train_mnist.py" in line]
-    assert len(runs) == 9  # dense, then SET and RigL at four sparsities
+    out = subprocess.run(["make", "-n", "mnist-recipe", f"DIST={dist}"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    argvs = [shlex.split(line) for line in out.replace("\\\n", " ").splitlines() if "train_mnist.py" in line]
+    assert len(argvs) == runs  # (dense,) then SET and RigL at four sparsities
+    tag = "" if dist == "uniform" else dist + "-"
     folders = set()
-    for argv in runs:
+    for argv in argvs:
         cfg = tm.parse_config(argv[argv.index("experiments/train_mnist.py") + 1:])
         assert (cfg["optimizer"], cfg["nesterov"], cfg["epochs"], cfg["batch_size"]) == ("sgd", True, 100, 100)
-        assert cfg["models"] == "dense" or (cfg["dst"] in ("set", "rigl") and cfg["dst_end"] == 1.0)
-        name = Path(cfg["out_dir"]).name
-        want = "recipe-dense" if cfg["models"] == "dense" else f"recipe-{cfg['dst']}-s{cfg['sparsity']}"
-        assert name == want
-        folders.add(name)
-    assert len(folders) == 9
+        if cfg["models"] == "dense":
+            want = "recipe-dense"
+        else:
+            assert cfg["dst"] in ("set", "rigl") and cfg["dst_end"] == 1.0 and cfg["distribution"] == dist
+            want = f"recipe-{tag}{cfg['dst']}-s{cfg['sparsity']}"
+        assert Path(cfg["out_dir"]).name == want
+        folders.add(want)
+    assert len(folders) == runs
