@@ -78,10 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="CSV path (default results/bench_gpt2[_cpu].csv)")
     args = p.parse_args(argv)
     fill_unset(args, TINY if args.tiny else DEFAULTS)
-    sp = comma_list(p, "sparsities", args.sparsities, float)
-    if any(not 0.0 <= s < 1.0 for s in sp):
-        p.error(f"--sparsities must be numbers in [0, 1), got {args.sparsities!r}")
-    args.sparsity_list = sp
+    args.sparsity_list = comma_list(p, "sparsities", args.sparsities, float, lambda s: 0.0 <= s < 1.0,
+                                    "numbers in [0, 1)")
     for k in ("n_layer", "n_embd", "n_head", "vocab", "batch", "seq", "infer_batch", "infer_seq"):
         if getattr(args, k) < 1:
             p.error(f"--{k} must be >= 1, got {getattr(args, k)}")

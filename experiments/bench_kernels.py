@@ -123,12 +123,9 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     fill_unset(args, QUICK if args.quick else DEFAULTS)
     args.shape_list = comma_list(ap, "shapes", args.shapes, _shape)
-    args.sparsity_list = comma_list(ap, "sparsity", args.sparsity, float)
-    if any(not 0.0 <= sp < 1.0 for sp in args.sparsity_list):
-        ap.error(f"--sparsity must be numbers in [0, 1), got {args.sparsity!r}")
-    args.batch_list = comma_list(ap, "batch", args.batch, int)
-    if min(args.batch_list) < 1:
-        ap.error(f"--batch must be sizes >= 1, got {args.batch!r}")
+    args.sparsity_list = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0.0 <= s < 1.0,
+                                    "numbers in [0, 1)")
+    args.batch_list = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "batch sizes >= 1")
     if args.out is None:
         args.out = "results/bench_kernels_quick.csv" if args.quick else "results/bench_kernels.csv"
     return args

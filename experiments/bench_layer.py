@@ -91,9 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="CSV path (default results/bench_layer[_cpu].csv)")
     args = p.parse_args(argv)
     fill_unset(args, QUICK if args.quick else DEFAULTS)
-    args.batch_list = comma_list(p, "batches", args.batches, int)
-    if min(args.batch_list) < 1:
-        p.error(f"--batches must be comma-separated batch sizes >= 1, got {args.batches!r}")
+    args.batch_list = comma_list(p, "batches", args.batches, int, lambda b: b >= 1, "batch sizes >= 1")
     if args.out is None:
         name = "bench_layer.csv" if args.device == "cuda" else "bench_layer_cpu.csv"
         args.out = str(ROOT / "results" / name)

@@ -3,7 +3,8 @@
 `fill_unset(args, values)`: a run-size preset (--quick, --tiny) or the defaults for the options
 the command line did not give; the options are declared with `default=argparse.SUPPRESS`, so an
 explicit value always wins over the preset.
-`comma_list(parser, name, text, conv)`: a comma-separated option's values, or a usage error.
+`comma_list(parser, name, text, conv, valid, what)`: a comma-separated option's values, or a
+usage error.
 `csv_to_plot(path, default, writer)`: whether a plot script has its CSV, or one line saying why
 not.
 """
@@ -20,15 +21,18 @@ def fill_unset(args: argparse.Namespace, values: dict) -> None:
             setattr(args, key, value)
 
 
-def comma_list(parser: argparse.ArgumentParser, name: str, text: str, conv) -> list:
+def comma_list(parser: argparse.ArgumentParser, name: str, text: str, conv, valid=None, what: str = "") -> list:
     """[conv(v) for each comma-separated v of the option --name's `text`]; a usage error (exit 2)
-    naming the option when it is empty or conv raises ValueError on a value."""
+    naming the option when it is empty or conv raises ValueError on a value, or when `valid` is
+    given and some value fails it ("--name must be <what>")."""
     try:
         vals = [conv(v) for v in text.split(",") if v.strip()]
     except ValueError:
         vals = []
     if not vals:
         parser.error(f"--{name} must be a comma-separated list, got {text!r}")
+    if valid is not None and not all(valid(v) for v in vals):
+        parser.error(f"--{name} must be {what}, got {text!r}")
     return vals
 
 

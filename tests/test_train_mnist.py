@@ -161,7 +161,7 @@ def test_bad_command_line_values_exit_with_one_line(tmp_path):
     for script, argv, msg in (("train_mnist.py", ["--sparsity=1.5"], "sparsity must be in"),
                               ("train_mnist.py", ["--models=dense,dense"], "each once"),
                               ("bench_cpu.py", ["--batches="], "--batches must be a comma-separated list"),
-                              ("bench_cpu.py", ["--batches=0,4"], "--batches must all be >= 1"),
+                              ("bench_cpu.py", ["--batches=0,4"], "--batches must be batch sizes >= 1"),
                               ("bench_cpu.py", ["--rounds=0"], "--rounds must be >= 1")):
         r = subprocess.run([sys.executable, str(ROOT / "experiments" / script), *argv], capture_output=True,
                            text=True, timeout=300, cwd=tmp_path)
