@@ -132,11 +132,10 @@ mnist-recipe: $(if $(RECIPE_TAG),,recipe-dense) $(RECIPE_SET) $(RECIPE_RIGL)
 recipe-dense:
 	$(PY) experiments/train_mnist.py $(RECIPE) --models=dense --out_dir=results/mnist/$@
 
-$(RECIPE_SET): recipe-set-s%:
-	$(PY) experiments/train_mnist.py $(RECIPE_DST) --dst=set --sparsity=$* --out_dir=results/mnist/recipe-$(RECIPE_TAG)set-s$*
-
-$(RECIPE_RIGL): recipe-rigl-s%:
-	$(PY) experiments/train_mnist.py $(RECIPE_DST) --dst=rigl --sparsity=$* --out_dir=results/mnist/recipe-$(RECIPE_TAG)rigl-s$*
+# recipe-<dst>-s<sparsity>: $* is "<dst>-s<sparsity>"
+$(RECIPE_SET) $(RECIPE_RIGL): recipe-%:
+	$(PY) experiments/train_mnist.py $(RECIPE_DST) --dst=$(word 1,$(subst -s, ,$*)) \
+	  --sparsity=$(word 2,$(subst -s, ,$*)) --out_dir=results/mnist/recipe-$(RECIPE_TAG)$*
 
 clean-cache:
 	rm -rf data_cache
