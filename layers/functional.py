@@ -255,15 +255,18 @@ def _values_grad(dy, x, topo, need_db):
 # the SDDMM (dv, db) on a side stream while dX runs on the capturing stream, so the kernels' tails
 # overlap (H200, 4096 x 4096, 90%, B = 32, captured training step with snack.optim.Adam: 89.4 ->
 # 86.0 us per replay, the same values after 8 steps). Eager calls keep one stream: there the
-# stream switches would add host time to a host-bound step. One side stream per device.
+# stream switches would add host time to a host-bound step. One side stream per capturing stream:
+# a side stream joined into one capture stays in it until that capture ends, so two captures open
+# at once (two threads, each on its own stream) must not share one.
 _SIDE = {}
 
 
 def _backward_two_branches(dy, x, values, topo, need_db):
     cur = torch.cuda.current_stream(dy.device)
-    side = _SIDE.get(dy.device)
+    key = (dy.device, cur.cuda_stream)
+    side = _SIDE.get(key)
     if side is None:
-        side = _SIDE[dy.device] = torch.cuda.Stream(dy.device)
+        side = _SIDE[key] = torch.cuda.Stream(dy.device)
     side.wait_stream(cur)
     with torch.cuda.stream(side):  # (x and dy are only read there, before the join below)
         dv, db = _values_grad(dy, x, topo, need_db)

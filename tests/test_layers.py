@@ -508,9 +508,94 @@ def test_cuda_graph_backward_on_two_branches_matches_eager(B, bias):
     want = [x.grad.clone(), layer.values.grad.clone()] + ([layer.bias.grad.clone()] if bias else [])
 
     got, _graph = _replayed_grads(layer, x, dy)
-    assert torch.device("cuda", torch.cuda.current_device()) in Fn._SIDE
+    assert any(key[0] == torch.device("cuda", torch.cuda.current_device()) for key in Fn._SIDE)
     for name, a, b in zip(("dx", "dv", "db"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@cuda
+def test_two_captures_open_at_once_each_get_their_own_backward_side_stream():
+    """Two threads capture a training step each at the same time (thread-local capture mode, a
+    capture stream each; the second capture runs while the first is still open): each unfused
+    backward takes a side stream of its own, both captures succeed and both replays give the
+    eager gradients."""
+    import threading
+
+    import snack.gpu as G
+    from snack.layers import functional as Fn
+    from snack.layers.backend import get_topology
+    torch.manual_seed(15)
+    B = 8
+    runs = []
+    for _ in range(2):
+        layer = SparseLinear(640, 384, sparsity=0.9, device="cuda")
+        assert not G.fuses_backward(B, get_topology(layer.indices, (384, 640)))
+        x = torch.randn(B, 640, device="cuda", requires_grad=True)
+        dy = torch.randn(B, 384, device="cuda")
+        layer(x).backward(dy)
+        want = [x.grad.clone(), layer.values.grad.clone(), layer.bias.grad.clone()]
+        runs.append((layer, x, dy, want))
+
+    def step(layer, x, dy):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).backward(dy)
+
+    settle_autograd()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for layer, x, dy, _ in runs:
+            step(layer, x, dy)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    settle_autograd()
+
+    graphs, errors = [None, None], []
+    first_open, second_done = threading.Event(), threading.Event()
+
+    def capture(i):
+        layer, x, dy, _ = runs[i]
+        try:
+            if i == 1:
+                assert first_open.wait(60)
+            # (capture_begin / capture_end rather than torch.cuda.graph, whose entry synchronizes
+            # the device and empties the allocator's cache while the other capture is open)
+            g, cs = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            with torch.cuda.stream(cs):
+                g.capture_begin(capture_error_mode="thread_local")
+                try:
+                    step(layer, x, dy)
+                    if i == 0:  # keep this capture open while the other thread captures its step
+                        first_open.set()
+                        assert second_done.wait(60)
+                finally:
+                    g.capture_end()
+            graphs[i] = g
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            errors.append((i, e))
+            first_open.set()
+        finally:
+            if i == 1:
+                second_done.set()
+
+    threads = [threading.Thread(target=capture, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    keys = [k for k in Fn._SIDE if k[0] == torch.device("cuda", torch.cuda.current_device())]
+    assert len(set(id(Fn._SIDE[k]) for k in keys)) >= 2
+    for (layer, x, _, want), g in zip(runs, graphs):
+        got = [x.grad, layer.values.grad, layer.bias.grad]
+        for t in got:
+            t.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("dx", "dv", "db"), got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.gpu
