@@ -38,6 +38,34 @@ def test_bench_gpt2_tiny_on_cpu(tmp_path):
     assert png.exists() and png.stat().st_size > 10_000
 
 
+def test_bench_gpt2_rest_is_the_model_without_its_converted_layers(tmp_path, capsys):
+    """--rest adds an inference row for the model whose converted layers do no work: the layers
+    are gone from it (no SparseLinear, no Conv1D in the blocks), its output has the logits'
+    shape, and the layers' share of each method's time is printed."""
+    import torch
+
+    from experiments import bench_gpt2
+    args = bench_gpt2.parse_args(["--device", "cpu", "--tiny"])
+    dense = bench_gpt2.dense_model(args)
+    _, _, summary = bench_gpt2.sparse_pair(dense, 0.9)
+    rest = bench_gpt2.rest_model(dense, summary)
+    kinds = {type(m).__name__ for m in rest.modules()}
+    assert "Conv1D" not in kinds and "SparseLinear" not in kinds and "_NoWork" in kinds
+    assert type(dense.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # the original is left alone
+    ids = torch.randint(0, args.vocab, (1, 7))
+    with torch.no_grad():
+        assert rest(input_ids=ids).logits.shape == dense(input_ids=ids).logits.shape == (1, 7, args.vocab)
+    out = tmp_path / "gpt2.csv"
+    rows = bench_gpt2.main(["--device", "cpu", "--tiny", "--sparsities", "0.9", "--rest", "--out", str(out)])
+    with open(out, newline="") as f:
+        written = [r for r in csv.DictReader(f) if r["method"] == "rest"]
+    assert len(written) == 1 and written[0]["phase"] == "infer" and float(written[0]["eager_us"]) > 0
+    assert int(written[0]["converted_layers"]) == 8 and written[0]["graph_check"] == ""
+    assert len(rows) == 2 * 3 + 1
+    text = capsys.readouterr().out
+    assert "the layers alone" in text and "at 0.90: snack" in text
+
+
 def test_bench_gpt2_rejects_bad_arguments():
     from experiments import bench_gpt2
     with pytest.raises(SystemExit):
