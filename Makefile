@@ -8,7 +8,7 @@
 #   make install                                  # .venv: torch 2.13.0 first (CPU wheel: PIP_EXTRA_INDEX_URL, see README), then snack + extras, MNIST
 #   make install TORCH= EXTRAS=experiments,test,gpu   # GPU machine: keep the CUDA torch you installed
 #   make test | demo | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
-#   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2   (the other CSVs REPRODUCTION.md cites)
+#   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2 | bench-gpt2-rest   (the other CSVs REPRODUCTION.md cites)
 #   make -j2 mnist-recipe [DIST=erk]              # LeNet-300-100 with sparse_learning's recipe, dense / SET / RigL
 
 VENV    ?= .venv
@@ -27,11 +27,14 @@ LAYER_SNACK_ADAM_FIG := papers/fig_layer_snack_adam.png
 GPT2_B1_CSV          := results/bench_gpt2_b1.csv
 GPT2_B1_FIG          := papers/fig_gpt2_b1.png
 KERNELS_GPT2_CSV     := results/bench_kernels_gpt2.csv
+GPT2_REST_CSV        := results/bench_gpt2_rest.csv
+GPT2_REST_FIG        := papers/fig_gpt2_rest.png
 # Their figures, redrawn by `make figures` too: plot script : CSV : figure : the target measuring it.
 MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-layer-snack-adam \
-                gpt2:$(GPT2_B1_CSV):$(GPT2_B1_FIG):figure-gpt2-b1
+                gpt2:$(GPT2_B1_CSV):$(GPT2_B1_FIG):figure-gpt2-b1 \
+                gpt2:$(GPT2_REST_CSV):$(GPT2_REST_FIG):bench-gpt2-rest
 
-.PHONY: help install test demo demo-quick bench bench-cpu bench-kernels-gpt2 figures figure-mnist \
+.PHONY: help install test demo demo-quick bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest figures figure-mnist \
         figure-layer-snack-adam figure-gpt2-b1 clean-cache
 
 help:
@@ -103,6 +106,12 @@ figure-gpt2-b1:
 bench-kernels-gpt2:
 	$(PY) experiments/bench_kernels.py --shapes 2304x768,768x768,3072x768,768x3072 --sparsity 0.9 \
 	  --batch 1,8,32 --out $(KERNELS_GPT2_CSV)
+
+# Claim 8 (GPU): where GPT-2's inference latency goes: bench_gpt2 with `rest`, the model whose 48
+# converted layers do no work, beside dense, SNACK and Dense+Mask (the layers' share is printed).
+bench-gpt2-rest:
+	$(PY) experiments/bench_gpt2.py --rest --out $(GPT2_REST_CSV)
+	$(PY) experiments/plot_gpt2.py --csv $(GPT2_REST_CSV) --out $(GPT2_REST_FIG)
 
 # Table 1: MNIST LeNet-300-100, dense and sparse (ERK) at 0.9 / 0.95 / 0.98 / 0.99, 20 epochs:
 # results/mnist/s<sparsity>/train_mnist.csv (the dense model is trained once, beside 0.9).

@@ -62,7 +62,8 @@ def main(argv=None):
     if not csv_to_plot(args.csv, DEFAULT_CSV, "bench_gpt2.py", "; --device cpu --tiny on a CPU"):
         return None
     t, meta = load(args.csv)
-    sps = sorted({k[2] for k in t if k[1] != "dense"})
+    sps = sorted({k[2] for k in t if k[1] in ("snack", "densemask")})
+    rest = next((r for k, r in t.items() if k[:2] == ("infer", "rest")), None)  # bench_gpt2 --rest
     dense_train, dense_infer = t.get(("train", "dense", 0.0)), t.get(("infer", "dense", 0.0))
     xs = list(range(len(sps)))
     w = 0.38
@@ -101,6 +102,9 @@ def main(argv=None):
                label=LABEL[m])
     if dense_infer:
         ax.axhline(latency("infer", "dense", 0.0), color=COLOR["dense"], ls="--", label=LABEL["dense"])
+    if rest is not None and not math.isnan(rest[key]):
+        ax.axhline(rest[key], color="0.3", ls=":", label="the rest (blocks' layers doing no work)")
+    ax.set_ylim(0, 1.45 * ax.get_ylim()[1])  # room for the legend above the bars
     ax.set_ylabel(("CUDA-graph GPU time" if graph else "eager time") + " (us)")
     ax.set_title(f"inference, {meta.get('infer_batch')} x {meta.get('infer_seq')} tokens")
     if missing:
@@ -115,10 +119,13 @@ def main(argv=None):
     if dense_infer:
         ax.plot(xs, [latency("infer", "dense", 0.0) / v for v in snack_lat], "s-", color=COLOR["dense"],
                 label="over dense")
+        if rest is not None and not math.isnan(rest[key]):
+            ax.axhline(latency("infer", "dense", 0.0) / rest[key], color="0.3", ls=":",
+                       label="over dense, with layers that take no time")
     ax.axhline(1.0, color="0.6", lw=0.8)
     ax.set_ylabel("SNACK inference speed-up (x)")
     ax.set_title("speed-up (" + ("graph" if graph else "eager") + ")")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     for ax in axes:
         ax.set_xticks(xs)
         ax.set_xticklabels([f"{s:.0%}" for s in sps])

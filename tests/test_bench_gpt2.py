@@ -64,6 +64,9 @@ def test_bench_gpt2_rest_is_the_model_without_its_converted_layers(tmp_path, cap
     assert len(rows) == 2 * 3 + 1
     text = capsys.readouterr().out
     assert "the layers alone" in text and "at 0.90: snack" in text
+    from experiments import plot_gpt2
+    png = plot_gpt2.main(["--csv", str(out), "--out", str(tmp_path / "fig.png")])  # rest drawn as a line
+    assert png.exists() and "warning" not in capsys.readouterr().out
 
 
 def test_bench_gpt2_rejects_bad_arguments():
