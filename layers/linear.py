@@ -250,7 +250,8 @@ class SparseLinear(nn.Module):
         Args:
             weight_or_linear: a 2-D tensor (out, in), or an nn.Linear (its bias is copied too).
             sparsity: keep the round((1 - sparsity) * out * in) entries of largest |w|; ties are
-                broken by position (the earlier entry in row-major order is kept).
+                broken by position (the earlier entry in row-major order is kept). A weight holding
+                NaN raises ValueError here (NaN has no magnitude to rank).
             mask: keep exactly the entries where mask (bool or 0/1, shape (out, in)) is true.
             With neither, the non-zero entries of the weight are kept (e.g. an already pruned
             weight). Giving both raises ValueError.
@@ -292,6 +293,11 @@ class SparseLinear(nn.Module):
             idx = (wd != 0).nonzero().t()
         else:
             sparsity = _check_sparsity(sparsity)
+            nan = torch.isnan(wd)
+            if bool(nan.any()):
+                raise ValueError(f"weight holds {int(nan.sum())} NaN value(s) (e.g. at "
+                                 f"{tuple(nan.nonzero()[0].tolist())}): keeping the largest magnitudes "
+                                 "cannot rank them; clean the weight or give a mask")
             k = density_to_nnz((out_f, in_f), density=1.0 - sparsity)
             if sparsity > 0:
                 _warn_if_empty(k, (out_f, in_f), f"sparsity={sparsity} of {out_f * in_f} weights "

@@ -280,7 +280,10 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
         dens = min(1.0, max(0.0, float(dens)))
         layer_sparsity = min(1.0 - dens, 1.0 - 1e-12)   # density 0 -> nnz 0
         with torch.no_grad():
-            new = SparseLinear.from_dense(w.detach(), sparsity=layer_sparsity)
+            try:
+                new = SparseLinear.from_dense(w.detach(), sparsity=layer_sparsity)
+            except ValueError as e:  # (the model is not changed: modules are replaced after the loop)
+                raise ValueError(f"sparsify: module '{name}': {e}") from e
             if b is not None:
                 new.bias = nn.Parameter(b.detach().clone(), requires_grad=b.requires_grad)
         new.values.requires_grad_(getattr(m, "weight").requires_grad)

@@ -191,6 +191,28 @@ def test_from_dense_mask_must_be_bool_or_zero_one():
             SparseLinear.from_dense(w, mask=bad)
 
 
+def test_from_dense_by_magnitude_rejects_nan_but_a_mask_keeps_it():
+    """NaN has no magnitude: keeping the largest |w| of a weight holding one raises (naming where),
+    while a mask or the non-zeros of the weight choose the pattern without ranking it."""
+    w = torch.randn(4, 5)
+    w[2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"weight holds 1 NaN value\(s\) \(e.g. at \(2, 3\)\)"):
+        SparseLinear.from_dense(w, sparsity=0.5)
+    m = torch.zeros(4, 5, dtype=torch.bool)
+    m[2, 3] = m[0, 0] = True
+    layer = SparseLinear.from_dense(w, mask=m)
+    assert layer.nnz == 2 and torch.isnan(layer.to_dense()[2, 3])
+    assert SparseLinear.from_dense(w).nnz == 20
+    lin = nn.Linear(6, 3)
+    with torch.no_grad():
+        lin.weight[1, 4] = float("nan")
+    model = nn.Sequential(nn.Linear(6, 6), lin)
+    before = [type(mod) for mod in model]
+    with pytest.raises(ValueError, match=r"sparsify: module '1': weight holds 1 NaN"):
+        snack.sparsify(model, 0.5)
+    assert [type(mod) for mod in model] == before  # nothing replaced
+
+
 def test_construction_checks_dtype_warns_when_empty_and_takes_numpy_ints():
     import numpy as np
     with pytest.raises(TypeError, match="dtype must be a floating"):
