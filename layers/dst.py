@@ -420,6 +420,12 @@ class DynamicSparseTraining:
         skipped = []
         try:
             with torch.no_grad():
+                if f > 0.0:
+                    try:
+                        self._check_finite(t)
+                    except ValueError:
+                        self._step -= 1  # (this call did not happen: state as before it)
+                        raise
                 for name, layer in self.layers:
                     row = self._update_layer(name, layer, f)
                     if row.skipped:
@@ -434,6 +440,27 @@ class DynamicSparseTraining:
                           stacklevel=2)
         self.last_update = summary
         return summary
+
+    def _check_finite(self, t: int) -> None:
+        """Raises ValueError, before any layer changes, where a layer's values (or the inputs and
+        output gradients captured for its grow scores) hold NaN: pruning and regrowing would rank
+        NaN, i.e. rewire at random. One host sync per device."""
+        flags = {}  # device -> [(flag, (layer name, what))]
+        for name, layer in self.layers:
+            tensors = [("values", layer.values)]
+            if self.needs_gradient:
+                for x, dy in self._records(layer):
+                    tensors += [("its captured input", x), ("its captured output gradient", dy)]
+            for what, v in tensors:
+                flags.setdefault(v.device, []).append((torch.isnan(v.detach()).any(), (name or "<model>", what)))
+        for items in flags.values():
+            bad = torch.stack([f for f, _ in items]).nonzero().flatten().tolist()
+            if not bad:
+                continue
+            name, what = items[bad[0]][1]
+            raise ValueError(f"{type(self).__name__} step {t}: layer '{name}': {what} hold(s) NaN (has "
+                             "training diverged?); pruning and regrowing cannot rank NaN, so no layer "
+                             "was changed")
 
     def _update_layer(self, name: str, layer: SparseLinear, f: float) -> LayerUpdate:
         out_f, in_f = layer.out_features, layer.in_features

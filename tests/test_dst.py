@@ -265,6 +265,38 @@ def test_rigl_keeps_activations_only_on_update_steps_and_warns_without_gradient(
     dst.remove_hooks()
 
 
+@pytest.mark.parametrize("cls,where", [(SET, "values"), (RigL, "values"), (RigL, "gradient")])
+def test_nan_stops_the_update_before_any_layer_changes(cls, where):
+    """NaN in a layer's values (or, for RigL, in what it captured for the grow scores) makes the
+    update step raise a ValueError naming the layer, with every layer, the optimizer state and the
+    step count as they were; once the NaN is gone the same step updates."""
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = cls(model, opt, update_every=1, seed=0, decay="constant")
+    (x, y), = _data(1)
+    _train_step(model, opt, x, y)
+    layers = _sparse(model)
+    if where == "values":
+        with torch.no_grad():
+            layers[2].values[3] = float("nan")
+        match = "layer '4': values hold"
+    else:
+        dst._captured[id(layers[1])][0] = (dst._captured[id(layers[1])][0][0],
+                                           torch.full_like(dst._captured[id(layers[1])][0][1], float("nan")))
+        match = "layer '2': its captured output gradient hold"
+    before = [(l.indices.clone(), l.values.detach().clone()) for l in layers]
+    with pytest.raises(ValueError, match=match):
+        dst.step()
+    assert dst.num_steps == 0
+    for (i, v), l in zip(before, layers):
+        assert torch.equal(i, l.indices) and torch.equal(v.nan_to_num(), l.values.detach().nan_to_num())
+    with torch.no_grad():
+        layers[2].values.nan_to_num_(0.0)
+    _train_step(model, opt, x, y)
+    assert dst.step().grown > 0 and dst.num_steps == 1
+    dst.remove_hooks()
+
+
 def test_rigl_hooks_do_not_follow_copies_of_the_model():
     import io
     model = _mlp()
