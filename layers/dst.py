@@ -25,6 +25,9 @@ by `drop_scores` (lowest first) and grows as many new ones at coordinates it doe
   regrown entries start at 0, a pruned entry's state is discarded.
   The layer's topology is rebuilt right away, into its existing arrays (`Topology.refresh_from`),
   so a training step captured in a CUDA graph before the update replays the new pattern.
+Under torch.distributed (data-parallel copies of the model) the updates are synchronised over a
+process group: a common default seed, RigL's scores summed over the ranks, agreed skips and
+refusals, and a comparison of the ranks' choices before anything is written (`process_group`).
 Trade-off: tensors keep their shape and address (CUDA-graph friendly, optimizers untouched), but
 the re-sort costs O(nnz log nnz) and RigL recomputes the full dense-gradient product
 (B * out * in multiply-adds) tile by tile on every update step, as RigL itself does.
@@ -97,6 +100,29 @@ class UpdateSummary:
 
 
 # ---- COO helpers (all O(nnz) memory) ---------------------------------------------------------------
+def _resolve_group(process_group):
+    """The torch.distributed group a DST object synchronises over, or None (see its docstring)."""
+    if process_group is False:
+        return None
+    import torch.distributed as dist
+    ready = dist.is_available() and dist.is_initialized()
+    if process_group is None:
+        return dist.group.WORLD if ready and dist.get_world_size() > 1 else None
+    if process_group is True or not ready or not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError("process_group must be None, False or a torch.distributed ProcessGroup of an "
+                        f"initialized process group, got {process_group!r}")
+    return process_group
+
+
+_P31 = 2**31 - 1
+
+
+def _fingerprint(k: torch.Tensor) -> torch.Tensor:
+    """Two int64 hashes of a set of non-negative int64 values (sums of a hash per value)."""
+    r = k % _P31
+    return torch.stack([(r * 1103515245 % _P31).sum(), (r * 48271 % _P31 + r // 7).sum()])
+
+
 def _flat_keys(layer: SparseLinear) -> torch.Tensor:
     """int64 (nnz,) row * in_features + col, ascending (indices are canonical)."""
     idx = layer.indices.to(torch.int64)
@@ -180,14 +206,25 @@ class DynamicSparseTraining:
             The same seed gives the same patterns on CPU and CUDA.
         layers: an iterable of SparseLinear modules to update instead of all those in `model`
             (a frozen one raises ValueError).
+        process_group: data-parallel training (torch.distributed), where every rank holds a copy
+            of the model kept equal by DistributedDataParallel: the ranks' copies must change
+            alike. None (default): the default group when torch.distributed is initialized with
+            more than one rank, else no synchronisation; a ProcessGroup: that group; False: no
+            synchronisation. With a group, the seed drawn by default is rank 0's; RigL sums
+            its gradient scores over the ranks (the gradient of the global batch); a layer is
+            skipped (no gradient captured) or an update refused (NaN) on every rank when it is
+            on one; and before anything is written the ranks compare what they chose: where
+            they differ (values not kept equal, different seeds) every rank raises
+            RuntimeError and no layer changes. Every rank must call `step()` the same number of
+            times (the update steps run collectives); tensors travel on the current CUDA device
+            with NCCL, on the CPU with gloo.
 
     Call `step()` once per training step, after optimizer.step(). Per layer and update, exactly
     as many connections are grown as dropped (nnz never changes), no coordinate appears twice,
     grown coordinates are ones the layer did not hold before the update (a dropped connection
     is not regrown in the same update), regrown values and their optimizer state are 0.
     `last_update` holds the `UpdateSummary` of the latest update (also returned by `step()`).
-    Under DistributedDataParallel every rank must make the same choices: use the same seed (SET),
-    and note that RigL's scores come from each rank's local batch.
+    Under DistributedDataParallel the ranks make the same choices (see `process_group`).
     """
 
     #: whether the growth needs the layers' last input and output gradient (RigL)
@@ -196,7 +233,8 @@ class DynamicSparseTraining:
     def __init__(self, model: nn.Module, optimizer, *, drop_fraction: float = 0.3,
                  update_every: int = 100, end_step: Optional[int] = None,
                  total_steps: Optional[int] = None, decay: str = "cosine",
-                 seed: Optional[int] = None, layers: Optional[Iterable[SparseLinear]] = None):
+                 seed: Optional[int] = None, layers: Optional[Iterable[SparseLinear]] = None,
+                 process_group=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "state"):
@@ -267,8 +305,11 @@ class DynamicSparseTraining:
                           "update will ever happen (updates run at steps update_every, 2 * update_every, "
                           "... before end_step)", stacklevel=2)
         self.decay = decay
+        self.process_group = _resolve_group(process_group)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
+            if self.process_group is not None:  # rank 0's, so that random choices agree
+                seed = int(self._collective(torch.tensor([seed], dtype=torch.int64), "broadcast").item())
         self.seed = int(seed)
         self._gen = torch.Generator().manual_seed(self.seed)
         self._step = 0
@@ -420,14 +461,23 @@ class DynamicSparseTraining:
         skipped = []
         try:
             with torch.no_grad():
+                missing = set()
                 if f > 0.0:
                     try:
-                        self._check_finite(t)
+                        missing = self._check_finite(t)
                     except ValueError:
                         self._step -= 1  # (this call did not happen: state as before it)
                         raise
-                for name, layer in self.layers:
-                    row = self._update_layer(name, layer, f)
+                plans = [self._plan_layer(name, layer, f, missing) for name, layer in self.layers]
+                if self.process_group is not None:
+                    try:
+                        self._check_agreement(t, plans)
+                    except RuntimeError:
+                        self._step -= 1
+                        raise
+                for (name, layer), (row, work) in zip(self.layers, plans):
+                    if work is not None:
+                        self._rewire(layer, *work)
                     if row.skipped:
                         skipped.append(name or "<model>")
                     summary.layers.append(row)
@@ -441,37 +491,99 @@ class DynamicSparseTraining:
         self.last_update = summary
         return summary
 
-    def _check_finite(self, t: int) -> None:
+    def _check_finite(self, t: int) -> set:
         """Raises ValueError, before any layer changes, where a layer's values (or the inputs and
         output gradients captured for its grow scores) hold NaN: pruning and regrowing would rank
-        NaN, i.e. rewire at random. One host sync per device."""
-        flags = {}  # device -> [(flag, (layer name, what))]
-        for name, layer in self.layers:
-            tensors = [("values", layer.values)]
+        NaN, i.e. rewire at random. Returns the ids of the layers that need a captured gradient
+        and have none. With a process group both are agreed over the ranks (NaN or no gradient
+        on one rank counts for all). One host sync per device (and one collective)."""
+        whats = ("values", "its captured input", "its captured output gradient")
+        flags = {}  # device -> [(0-d flag, slot)]; per layer 4 slots: 3 NaN kinds, no gradient
+        vec = torch.zeros(4 * len(self.layers), dtype=torch.int64)
+        for i, (name, layer) in enumerate(self.layers):
+            tensors = [(0, layer.values)]
             if self.needs_gradient:
-                for x, dy in self._records(layer):
-                    tensors += [("its captured input", x), ("its captured output gradient", dy)]
-            for what, v in tensors:
-                flags.setdefault(v.device, []).append((torch.isnan(v.detach()).any(), (name or "<model>", what)))
+                recs = self._records(layer)
+                for x, dy in recs:
+                    tensors += [(1, x), (2, dy)]
+                vec[4 * i + 3] = int(not recs)
+            for kind, v in tensors:
+                flags.setdefault(v.device, []).append((torch.isnan(v.detach()).any(), 4 * i + kind))
         for items in flags.values():
-            bad = torch.stack([f for f, _ in items]).nonzero().flatten().tolist()
-            if not bad:
-                continue
-            name, what = items[bad[0]][1]
-            raise ValueError(f"{type(self).__name__} step {t}: layer '{name}': {what} hold(s) NaN (has "
-                             "training diverged?); pruning and regrowing cannot rank NaN, so no layer "
-                             "was changed")
+            vals = torch.stack([f for f, _ in items]).cpu().tolist()
+            for on, (_, slot) in zip(vals, items):
+                if on:
+                    vec[slot] = 1
+        if self.process_group is not None:
+            vec = self._collective(vec, "max")
+        for i, (name, _) in enumerate(self.layers):
+            for kind in range(3):
+                if vec[4 * i + kind]:
+                    where = " (on at least one rank)" if self.process_group is not None else ""
+                    raise ValueError(f"{type(self).__name__} step {t}: layer '{name or '<model>'}': "
+                                     f"{whats[kind]} hold(s) NaN{where} (has training diverged?); pruning "
+                                     "and regrowing cannot rank NaN, so no layer was changed")
+        return {id(layer) for i, (_, layer) in enumerate(self.layers) if vec[4 * i + 3]}
 
-    def _update_layer(self, name: str, layer: SparseLinear, f: float) -> LayerUpdate:
+    # ---- data-parallel ranks ------------------------------------------------------------------
+    def _collective(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """A copy of t broadcast from the group's rank 0 (op "broadcast"), or summed / maxed over
+        the group's ranks ("sum", "max"), on t's device. NCCL moves it to the current CUDA
+        device, a single gloo/MPI backend to the CPU."""
+        import torch.distributed as dist
+        g = self.process_group
+        backend = str(dist.get_backend(g)).lower()
+        if backend == "nccl":
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif ":" in backend:  # one backend per device type ("cpu:gloo,cuda:nccl")
+            dev = t.device
+        else:
+            dev = torch.device("cpu")
+        u = t.to(dev, copy=True)
+        if op == "broadcast":
+            dist.broadcast(u, src=dist.get_global_rank(g, 0), group=g)
+        else:
+            dist.all_reduce(u, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=g)
+        return u.to(t.device)
+
+    def reduce_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the ranks of `process_group` (t itself without one): for grow scores
+        that sum per-rank quantities (RigL's gradient). Every rank must call it alike."""
+        return t if self.process_group is None else self._collective(t, "sum")
+
+    def _check_agreement(self, t: int, plans) -> None:
+        """Raises RuntimeError on every rank, before anything is written, when the ranks chose
+        different connections to drop or grow for a layer."""
+        fps = []
+        for row, work in plans:
+            if work is None:
+                fps.append(torch.zeros(5, dtype=torch.int64))
+            else:
+                _, drop_pos, new_keys = work
+                fps.append(torch.stack([torch.tensor(drop_pos.numel()), *_fingerprint(drop_pos).cpu(),
+                                        *_fingerprint(new_keys).cpu()]))
+        v = torch.stack(fps).reshape(-1)
+        both = self._collective(torch.cat([v, -v]), "max")
+        hi, lo = both[:v.numel()], -both[v.numel():]
+        for i, (name, _) in enumerate(self.layers):
+            if not torch.equal(hi[5 * i:5 * i + 5], lo[5 * i:5 * i + 5]):
+                raise RuntimeError(
+                    f"{type(self).__name__} step {t}: the ranks chose different connections for layer "
+                    f"'{name or '<model>'}' (are the models' values kept equal, e.g. by "
+                    "DistributedDataParallel, and the seeds the same?); no layer was changed")
+
+    def _plan_layer(self, name: str, layer: SparseLinear, f: float, missing: set):
+        """(LayerUpdate, (keys, drop positions, new keys) or None when nothing changes); nothing is
+        written. missing: ids of layers without a captured gradient (on some rank)."""
         out_f, in_f = layer.out_features, layer.in_features
         nnz = layer.nnz
         free = out_f * in_f - nnz
         row = LayerUpdate(name=name, shape=(out_f, in_f), nnz=nnz, dropped=0, grown=0)
         if nnz == 0 or free == 0 or f <= 0.0:
-            return row
-        if self.needs_gradient and not self._records(layer):
+            return row, None
+        if self.needs_gradient and (id(layer) in missing or not self._records(layer)):
             row.skipped = "no gradient captured"
-            return row
+            return row, None
         groups = self.drop_groups(layer)
         if groups is None:
             sizes = [nnz]
@@ -483,15 +595,14 @@ class DynamicSparseTraining:
             counts = [c * free // total for c in counts]
         k = sum(counts)
         if k == 0:
-            return row
+            return row, None
         keys = _flat_keys(layer)
         drop_pos = _select_drop(self.drop_scores(layer), groups, counts)
         new_keys = self.grow(layer, keys, k)
         if new_keys.numel() != k:
             raise RuntimeError(f"grow returned {new_keys.numel()} coordinates, expected {k}")
-        self._rewire(layer, keys, drop_pos, new_keys.to(keys.device))
         row.dropped = row.grown = k
-        return row
+        return row, (keys, drop_pos, new_keys.to(keys.device))
 
     def _rewire(self, layer: SparseLinear, keys: torch.Tensor, drop_pos: torch.Tensor,
                 new_keys: torch.Tensor) -> None:
@@ -620,4 +731,4 @@ class RigL(DynamicSparseTraining):
             dt = torch.float64 if dy.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
             g = torch.mm(dy[:, r0:r1].t().to(dt), x[:, c0:c1].to(dt))
             acc = g if acc is None else acc.add_(g.to(acc.dtype))
-        return acc.abs_()
+        return self.reduce_over_ranks(acc).abs_()  # with a process group: the global batch's
