@@ -1,7 +1,8 @@
 """One rank of a data-parallel dynamic sparse training run, for tests/test_dst_distributed.py.
 
 python tests/dist_worker.py SCENARIO RANK WORLD INIT_FILE OUT_DIR [BACKEND]: joins a process group
-(BACKEND gloo, the default: float64 on the CPU; nccl: float32 on GPU RANK) through INIT_FILE
+(BACKEND gloo, the default: float64 on the CPU; nccl: float32 on GPU RANK; gloo_cuda: gloo, with
+float32 on GPU 0 for every rank) through INIT_FILE
 (WORLD > 1), trains a small model of two snack.SparseLinear layers, and saves what happened
 (errors, warnings, each layer's indices and values, on the CPU) to OUT_DIR/rRANK.pt.
 WORLD = 1 is the single-process reference on the whole batch.
@@ -36,11 +37,12 @@ def sparse_layers(model):
 
 def main(scenario, rank, world, init, out, backend="gloo"):
     dtype, device = torch.float64, torch.device("cpu")
-    if backend == "nccl":
-        dtype, device = torch.float32, torch.device("cuda", rank)
+    if backend in ("nccl", "gloo_cuda"):
+        dtype, device = torch.float32, torch.device("cuda", rank if backend == "nccl" else 0)
         torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=world)
+        dist.init_process_group(backend.replace("_cuda", ""), init_method=f"file://{init}", rank=rank,
+                                world_size=world)
     model = build(dtype).to(device)
     layers = sparse_layers(model)
     res = {"updates": [], "errors": [], "warnings": []}
@@ -50,7 +52,7 @@ def main(scenario, rank, world, init, out, backend="gloo"):
             warnings.simplefilter("always")
             if scenario in ("rigl", "set", "set_seeds", "set_noseed"):
                 net = nn.parallel.DistributedDataParallel(
-                    model, device_ids=[rank] if device.type == "cuda" else None,
+                    model, device_ids=[device.index] if device.type == "cuda" else None,
                     broadcast_buffers=False) if world > 1 else model
                 opt = torch.optim.Adam(model.parameters(), lr=1e-2)
                 kw = dict(update_every=2, drop_fraction=0.3, decay="constant")

@@ -24,7 +24,7 @@ def run(scenario, world, tmp_path, timeout=300, backend="gloo"):
     out.mkdir()
     init = tmp_path / f"{scenario}_{world}_{backend}_init"
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM",)}
-    if backend == "gloo":
+    if backend == "gloo":  # the CPU only
         env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), str(init), str(out),
@@ -133,3 +133,16 @@ def test_nccl_ranks_on_two_gpus_stay_identical_and_refuse_alike(tmp_path):
         assert r["unchanged"]
     for r in run("rigl_nan", 2, tmp_path, backend="nccl"):
         assert len(r["errors"]) == 1 and "on at least one rank" in r["errors"][0] and r["unchanged"]
+
+
+@pytest.mark.gpu
+def test_gloo_ranks_with_models_on_the_gpu(tmp_path):
+    # both ranks on GPU 0 (gloo takes CUDA tensors): the GPU kernels in DDP training, the
+    # collectives' tensors moved to the CPU and back
+    r0, r1 = run("rigl", 2, tmp_path, backend="gloo_cuda")
+    assert r0["errors"] == r1["errors"] == []
+    assert len(r0["updates"]) == 2 and all(g > 0 for u in r0["updates"] for g in u)
+    same_layers(r0, r1)
+    for r in run("set_seeds", 2, tmp_path, backend="gloo_cuda"):
+        assert len(r["errors"]) == 1 and "the ranks chose different connections" in r["errors"][0]
+        assert r["unchanged"]
