@@ -7,7 +7,7 @@
 #
 #   make install                                  # .venv: torch 2.13.0 first (CPU wheel: PIP_EXTRA_INDEX_URL, see README), then snack + extras, MNIST
 #   make install TORCH= EXTRAS=experiments,test,gpu   # GPU machine: keep the CUDA torch you installed
-#   make test | demo | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
+#   make test | demo | demo-ddp | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
 #   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2 | bench-gpt2-rest   (the other CSVs REPRODUCTION.md cites)
 #   make -j2 mnist-recipe [DIST=erk]              # LeNet-300-100 with sparse_learning's recipe, dense / SET / RigL
 
@@ -34,7 +34,7 @@ MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-lay
                 gpt2:$(GPT2_B1_CSV):$(GPT2_B1_FIG):figure-gpt2-b1 \
                 gpt2:$(GPT2_REST_CSV):$(GPT2_REST_FIG):bench-gpt2-rest
 
-.PHONY: help install test demo demo-quick bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest figures figure-mnist \
+.PHONY: help install test demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest figures figure-mnist \
         figure-layer-snack-adam figure-gpt2-b1 clean-cache
 
 help:
@@ -57,6 +57,11 @@ demo:
 
 demo-quick:
 	$(PY) experiments/train_mnist.py --quick
+
+# The same network data-parallel on NPROC processes (torchrun; RigL synchronised over the ranks).
+NPROC ?= 2
+demo-ddp:
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) experiments/train_ddp.py
 
 bench:
 	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make bench needs a CUDA GPU (torch.cuda.is_available() is False); make bench-cpu runs on the CPU')"

@@ -85,9 +85,9 @@ class SparseLinear(nn.Module):
     variance is then (1 - sparsity) times the dense layer's).
     Input (..., in_features) -> output (..., out_features), on values' device and dtype.
     The topology metadata is rebuilt (and validated, with a host sync) whenever `indices` is
-    written in place; under DistributedDataParallel pass broadcast_buffers=False (all ranks
-    build the same pattern from the same seed, or load it) so that it is not re-sent, and
-    rebuilt, every step.
+    written in place; under DistributedDataParallel pass forward_sync_buffers=False (torch >= 2.13;
+    before it broadcast_buffers=False; all ranks build the same pattern from the same seed, or
+    load it) so that it is not re-sent, and rebuilt, every step.
     """
 
     __constants__ = ["in_features", "out_features"]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import snack
+from experiments.train_ddp import ddp
 
 BATCH = 16
 
@@ -51,9 +52,7 @@ def main(scenario, rank, world, init, out, backend="gloo"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if scenario in ("rigl", "set", "set_seeds", "set_noseed"):
-                net = nn.parallel.DistributedDataParallel(
-                    model, device_ids=[device.index] if device.type == "cuda" else None,
-                    broadcast_buffers=False) if world > 1 else model
+                net = ddp(model, [device.index] if device.type == "cuda" else None) if world > 1 else model
                 opt = torch.optim.Adam(model.parameters(), lr=1e-2)
                 kw = dict(update_every=2, drop_fraction=0.3, decay="constant")
                 if scenario in ("rigl", "set"):

@@ -211,3 +211,15 @@ def test_bench_cpu_tiny_run_writes_every_op(tmp_path):
     with open(out, newline="") as f:
         ops = [(r["op"], r["B"]) for r in csv.DictReader(f)]
     assert ops == [(op, B) for B in ("1", "3") for op in ("forward", "dX", "SDDMM")]
+
+
+def test_train_ddp_command_line(capsys):
+    from experiments import train_ddp as t
+    a = t.parse(["--quick", "--epochs=2"])
+    assert (a.epochs, a.train_limit, a.update_every) == (2, 4000, 10)
+    a = t.parse([])
+    assert (a.epochs, a.train_limit, a.update_every, a.dst) == (3, 0, 100, "rigl")
+    assert "--sparsity must be in [0, 1)" in _usage_error(capsys, t.parse, ["--sparsity=1.0"])
+    assert "--epochs must be >= 1" in _usage_error(capsys, t.parse, ["--epochs=0"])
+    assert "--train_limit must be >= 0" in _usage_error(capsys, t.parse, ["--train_limit=-5"])
+    assert "invalid choice" in _usage_error(capsys, t.parse, ["--dst=magnitude"])
