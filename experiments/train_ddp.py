@@ -17,7 +17,9 @@ Run without torchrun it trains in one process.
 
 Options (--key=value): epochs, batch_size (global), lr, sparsity, distribution (erk/uniform),
 dst (rigl/set/none), update_every, drop_fraction, train_limit (0: all 60000), seed, device
-(auto/cpu), progress, quick (1 epoch on 4000 examples, update_every 10, for what is not given).
+(auto/cpu), progress, out_dir (rank 0 writes <out_dir>/train_ddp.json: config, environment, per-epoch
+loss / accuracy / agreement), quick (1 epoch on 4000 examples, update_every 10, for what is not
+given).
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 import snack  # noqa: E402
 from experiments.data import DatasetNotFoundError, load  # noqa: E402
-from experiments.train_mnist import evaluate, lenet_300_100  # noqa: E402
+from experiments.results_io import write_text  # noqa: E402
+from experiments.train_mnist import environment, evaluate, lenet_300_100  # noqa: E402
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -54,6 +57,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
     p.add_argument("--progress", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    p.add_argument("--out_dir", default=str(ROOT / "results"), help="where rank 0 writes train_ddp.json")
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
     # --quick fills in only what was not given
@@ -130,7 +134,7 @@ def main(argv=None) -> dict:
                   f"{a.batch_size} ({per} per rank), {a.epochs} epoch(s) on {n} examples", flush=True)
         order = torch.Generator().manual_seed(a.seed)  # the same batch order on every rank
         from tqdm.auto import tqdm
-        identical, updates, t_train = True, 0, 0.0
+        identical, updates, t_train, epochs = True, 0, 0.0, []
         for epoch in range(a.epochs):
             perm = torch.randperm(n, generator=order).to(device)
             loss_sum = torch.zeros((), device=device)
@@ -160,14 +164,21 @@ def main(argv=None) -> dict:
                 same = True
             if lead:
                 acc = evaluate(model, x_test, y_test)
+                epochs.append(dict(epoch=epoch + 1, train_loss=round(float(loss_sum) / steps, 6), test_acc=acc,
+                                   dst_updates=updates, identical=same, train_time_s=round(t_train, 3)))
                 print(f"epoch {epoch + 1}/{a.epochs}: train loss {float(loss_sum) / steps:.4f}  test acc {acc:.4f}  "
                       f"DST updates so far {updates}  copies on the {world} rank(s) "
                       f"{'identical' if same else 'DIFFER'}  ({t_train:.1f} s training)", flush=True)
         res = dict(world=world, test_acc=evaluate(model, x_test, y_test), identical=identical, dst_updates=updates,
                    nnz=sum(m.nnz for m in model.modules() if isinstance(m, snack.SparseLinear)))
         if lead:
+            import json
+            path = Path(a.out_dir) / "train_ddp.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text(path, json.dumps(dict(config=vars(a), backend=dist.get_backend() if world > 1 else "",
+                                             environment=environment(device), epochs=epochs, **res), indent=2))
             print(f"done: test accuracy {res['test_acc']:.4f}, {res['nnz']} connections, {updates} DST update(s); "
-                  f"the ranks' models {'stayed identical' if identical else 'DIVERGED'}", flush=True)
+                  f"the ranks' models {'stayed identical' if identical else 'DIVERGED'}; wrote {path}", flush=True)
         if not identical:
             raise SystemExit("the ranks' models diverged")
         return res

@@ -1,6 +1,7 @@
 """experiments/train_ddp.py as a user runs it: two ranks under torchrun (gloo, CPU) train the sparse
 LeNet-300-100 on MNIST with RigL synchronised over the ranks, learn, and keep identical copies."""
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -21,11 +22,11 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("dst", ["rigl", "set"])
-def test_two_ranks_learn_and_stay_identical(dst):
+def test_two_ranks_learn_and_stay_identical(dst, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(SCRIPT), "--quick", f"--dst={dst}", "--progress=false"],
+                           str(SCRIPT), "--quick", f"--dst={dst}", "--progress=false", f"--out_dir={tmp_path}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -36,3 +37,7 @@ def test_two_ranks_learn_and_stay_identical(dst):
     assert float(done.group(1)) > 0.4  # 10 classes: chance is 0.1 (0.64 seen with RigL)
     assert int(done.group(3)) == 3  # 31 global steps of 128 on 4000 examples, an update every 10
     assert "copies on the 2 rank(s) identical" in out
+    meta = json.loads((tmp_path / "train_ddp.json").read_text())
+    assert meta["world"] == 2 and meta["backend"] == "gloo" and meta["identical"] is True
+    assert meta["config"]["dst"] == dst and len(meta["epochs"]) == 1
+    assert meta["epochs"][0]["test_acc"] == meta["test_acc"] == float(done.group(1))
