@@ -51,17 +51,19 @@ def main(scenario, rank, world, init, out, backend="gloo"):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if scenario in ("rigl", "set", "set_seeds", "set_noseed"):
+            if scenario in ("rigl", "rigl_group", "set", "set_seeds", "set_noseed"):
                 net = ddp(model, [device.index] if device.type == "cuda" else None) if world > 1 else model
                 opt = torch.optim.Adam(model.parameters(), lr=1e-2)
                 kw = dict(update_every=2, drop_fraction=0.3, decay="constant")
-                if scenario in ("rigl", "set"):
+                if scenario in ("rigl", "rigl_group", "set"):
                     kw["seed"] = 5
+                if scenario == "rigl_group" and world > 1:  # an explicit group (here: every rank)
+                    kw["process_group"] = dist.new_group(list(range(world)))
                 elif scenario == "set_seeds":
                     kw["seed"] = 5 + rank  # the ranks disagree: refused
                 else:
                     torch.manual_seed(100 + rank)  # the ranks' global generators differ
-                dst = (snack.dst.RigL if scenario == "rigl" else snack.dst.SET)(model, opt, **kw)
+                dst = (snack.dst.RigL if scenario.startswith("rigl") else snack.dst.SET)(model, opt, **kw)
                 res["seed"] = dst.seed
                 for x, t in batches(4, dtype, device):
                     x, t = x[rank * per:(rank + 1) * per], t[rank * per:(rank + 1) * per]

@@ -53,8 +53,9 @@ def same_layers(a, b, exact=True):
             torch.testing.assert_close(va, vb, rtol=1e-9, atol=1e-12)
 
 
-def test_rigl_ranks_stay_identical_and_grow_as_the_whole_batch(tmp_path):
-    r0, r1 = run("rigl", 2, tmp_path)
+@pytest.mark.parametrize("scenario", ["rigl", "rigl_group"])
+def test_rigl_ranks_stay_identical_and_grow_as_the_whole_batch(tmp_path, scenario):
+    r0, r1 = run(scenario, 2, tmp_path)  # rigl_group: the group passed as process_group
     ref, = run("rigl", 1, tmp_path)
     assert r0["errors"] == r1["errors"] == []
     assert len(r0["updates"]) == 2 and all(g > 0 for u in r0["updates"] for g in u)
