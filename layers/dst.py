@@ -217,7 +217,8 @@ class DynamicSparseTraining:
             they differ (values not kept equal, different seeds) every rank raises
             RuntimeError and no layer changes. Every rank must call `step()` the same number of
             times (the update steps run collectives); tensors travel on the current CUDA device
-            with NCCL, on the CPU with gloo.
+            with NCCL, on the CPU with gloo. Ranks that train models of their own (a sweep
+            under torchrun, model parallelism) need process_group=False.
 
     Call `step()` once per training step, after optimizer.step(). Per layer and update, exactly
     as many connections are grown as dropped (nnz never changes), no coordinate appears twice,
@@ -570,7 +571,8 @@ class DynamicSparseTraining:
                 raise RuntimeError(
                     f"{type(self).__name__} step {t}: the ranks chose different connections for layer "
                     f"'{name or '<model>'}' (are the models' values kept equal, e.g. by "
-                    "DistributedDataParallel, and the seeds the same?); no layer was changed")
+                    "DistributedDataParallel, and the seeds the same? ranks that train models of their "
+                    "own need process_group=False); no layer was changed")
 
     def _plan_layer(self, name: str, layer: SparseLinear, f: float, missing: set):
         """(LayerUpdate, (keys, drop positions, new keys) or None when nothing changes); nothing is
