@@ -24,6 +24,7 @@ given).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -151,11 +152,10 @@ def main(argv=None) -> dict:
                 loss_sum += loss.detach()
             t_train += time.perf_counter() - t0
             fp = fingerprint(model)
-            if world > 1:
-                hi, lo = fp.clone(), -fp
-                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-                dist.all_reduce(lo, op=dist.ReduceOp.MAX)
-                same = bool(torch.equal(hi, -lo))
+            if world > 1:  # the ranks agree where max(fp) == min(fp) = -max(-fp): one collective
+                both = torch.cat([fp, -fp])
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)
+                same = bool(torch.equal(both[:fp.numel()], -both[fp.numel():]))
                 identical &= same
                 loss_all = loss_sum.clone()
                 dist.all_reduce(loss_all)
@@ -172,7 +172,6 @@ def main(argv=None) -> dict:
         res = dict(world=world, test_acc=evaluate(model, x_test, y_test), identical=identical, dst_updates=updates,
                    nnz=sum(m.nnz for m in model.modules() if isinstance(m, snack.SparseLinear)))
         if lead:
-            import json
             path = Path(a.out_dir) / "train_ddp.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             write_text(path, json.dumps(dict(config=vars(a), backend=dist.get_backend() if world > 1 else "",

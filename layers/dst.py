@@ -560,9 +560,9 @@ class DynamicSparseTraining:
             if work is None:
                 fps.append(torch.zeros(5, dtype=torch.int64))
             else:
-                _, drop_pos, new_keys = work
-                fps.append(torch.stack([torch.tensor(drop_pos.numel()), *_fingerprint(drop_pos).cpu(),
-                                        *_fingerprint(new_keys).cpu()]))
+                _, drop_pos, new_keys = work  # one host copy per layer
+                fps.append(torch.cat([drop_pos.new_tensor([drop_pos.numel()]), _fingerprint(drop_pos),
+                                      _fingerprint(new_keys)]).cpu())
         v = torch.stack(fps).reshape(-1)
         both = self._collective(torch.cat([v, -v]), "max")
         hi, lo = both[:v.numel()], -both[v.numel():]
@@ -583,7 +583,7 @@ class DynamicSparseTraining:
         row = LayerUpdate(name=name, shape=(out_f, in_f), nnz=nnz, dropped=0, grown=0)
         if nnz == 0 or free == 0 or f <= 0.0:
             return row, None
-        if self.needs_gradient and (id(layer) in missing or not self._records(layer)):
+        if self.needs_gradient and id(layer) in missing:  # (missing: from _check_finite, with f > 0)
             row.skipped = "no gradient captured"
             return row, None
         groups = self.drop_groups(layer)
