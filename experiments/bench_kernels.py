@@ -6,15 +6,18 @@ For each shape (out x in), sparsity and batch B it checks every op against a flo
 (dX and dv: `snack.gpu.spmm_t_sddmm`, fused from B = 9 to 32, and its two separate ops):
   - GPU time: CUDA-graph replay (triton.testing.do_bench_cudagraph), median;
   - eager time as a user calls it (triton.testing.do_bench, L2 flushed), median;
-and the HBM roofline fraction of the SNACK forward (bytes: 12 per non-zero + 4 * B * (in + out),
-over the measured copy bandwidth). Writes a tidy CSV (one row per op and method) with the GPU,
+and the HBM roofline fraction of the SNACK forward (bytes: 8 per non-zero for the int32 row and
+column plus the value's size, and B * (in + out) elements of X and Y: 12 * nnz + 4 * B * (in + out)
+in float32, 10 * nnz + 2 * B * (in + out) in float16 / bfloat16; over the measured copy bandwidth). Writes a tidy CSV (one row per op and method) with the GPU,
 versions and git commit; `experiments/plot_kernels.py` draws the figures from it.
 Also measures host overhead: wall time of 1000 back-to-back forward calls at B = 1 against
 torch.nn.functional.linear with the dense weight (5 rounds, the methods taking turns, median).
 
 Usage (GPU machine):  python experiments/bench_kernels.py [--quick] [--out CSV]
 (--quick: 4096 x 4096, the 12 target points, written to results/bench_kernels_quick.csv; an
-explicit --shapes, --sparsity or --batch still wins over --quick's)
+explicit --shapes, --sparsity or --batch still wins over --quick's). --dtype float16 / bfloat16
+times every method in that dtype (cuBLAS then uses the tensor cores; SNACK accumulates in fp32)
+and writes results/bench_kernels[_quick]_<dtype>.csv by default.
 """
 from __future__ import annotations
 
@@ -118,7 +121,8 @@ def parse_args(argv=None):
                     help="the target points: --shapes, --sparsity, --batch not given take --quick's values")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--out", default=None,
-                    help="CSV path (default results/bench_kernels.csv, with --quick results/bench_kernels_quick.csv)")
+                    help="CSV path (default results/bench_kernels.csv, with --quick results/bench_kernels_quick.csv; "
+                         "_<dtype> before .csv for float16 / bfloat16)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     fill_unset(args, QUICK if args.quick else DEFAULTS)
@@ -127,7 +131,8 @@ def parse_args(argv=None):
                                     "numbers in [0, 1)")
     args.batch_list = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "batch sizes >= 1")
     if args.out is None:
-        args.out = "results/bench_kernels_quick.csv" if args.quick else "results/bench_kernels.csv"
+        args.out = "results/bench_kernels" + ("_quick" if args.quick else "") + \
+            ("" if args.dtype == "float32" else f"_{args.dtype}") + ".csv"
     return args
 
 
@@ -189,7 +194,8 @@ def main(argv=None):
         del bdx, bdv, sdx, sdv
         del refs
         nnz = coo.nnz
-        floor_bytes = 12 * nnz + 4 * B * (n_in + n_out)
+        esize = v.element_size()
+        floor_bytes = (8 + esize) * nnz + esize * B * (n_in + n_out)
         methods = {
             "forward": {
                 "snack": (lambda: G.spmm(x, topo, v), lambda: G.spmm(x, topo, v, out=y)),

@@ -3,6 +3,7 @@
     python experiments/bench_layer.py                               # GPU: 4096 x 4096, 90%, B 1..128
     python experiments/bench_layer.py --sparsity=0.95 --batches=1,32
     python experiments/bench_layer.py --device=cpu --quick          # smoke test, seconds
+    python experiments/bench_layer.py --autocast=bfloat16           # mixed precision, as users train
 
 For each batch size B, on one layer (in = out = 4096, fp32, TF32 off as torch's default), the
 same random pattern and values in every method:
@@ -10,7 +11,14 @@ same random pattern and values in every method:
     dense      nn.Linear with the dense weight
     densemask  nn.Linear whose forward uses W * M every call, weight gradient masked by a hook
     cusparse   inference only: torch.mm(W_csr, X^T contiguous) (torch.sparse CSR -> cuSPARSE)
-it measures
+With --autocast bfloat16 (or float16) every method's forward runs under torch.autocast with that
+dtype, as a mixed-precision training loop runs it: the weights, their gradients and Adam stay
+float32, nn.Linear multiplies in the half dtype on the tensor cores (its weight cast every step),
+SparseLinear casts its values and runs the half-precision kernels (fp32 accumulation), cuSPARSE
+takes a CSR copy of W in that dtype (autocast has no rule for sparse matmuls); dY is given in the
+autocast dtype. Autocast's weight-cast cache is off (CUDA-graph capture needs it off; each layer
+runs once per step, so the cache would save nothing).
+It measures
     train      one step: forward, backward (dX and the weight gradient; x requires grad),
                Adam step (--optimizer adam-fused takes torch's fused Adam kernel, --optimizer
                snack-adam snack.optim.Adam; the same optimizer for every method). The eager
@@ -38,6 +46,7 @@ On the CPU (--device cpu) timings are wall-clock medians and graph/memory/energy
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
@@ -85,6 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", default="adam", choices=["adam", "adam-fused", "snack-adam"],
                    help="the training step's optimizer, the same for every method: torch.optim.Adam "
                         "with its default (foreach) implementation, or fused=True, or snack.optim.Adam")
+    p.add_argument("--autocast", default="off", choices=["off", "bfloat16", "float16"],
+                   help="run every method's forward under torch.autocast with this dtype (weights and "
+                        "Adam stay float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="small layer, few repeats: a smoke test (explicit sizes still win)")
@@ -93,7 +105,8 @@ def parse_args(argv=None):
     fill_unset(args, QUICK if args.quick else DEFAULTS)
     args.batch_list = comma_list(p, "batches", args.batches, int, lambda b: b >= 1, "batch sizes >= 1")
     if args.out is None:
-        name = "bench_layer.csv" if args.device == "cuda" else "bench_layer_cpu.csv"
+        name = "bench_layer" + ("" if args.device == "cuda" else "_cpu") + \
+            ("" if args.autocast == "off" else f"_autocast_{args.autocast}") + ".csv"
         args.out = str(ROOT / "results" / name)
     return args
 
@@ -115,23 +128,27 @@ class DenseMask(nn.Module):
 
 
 class CuSparse(nn.Module):
-    """Inference only: Y = (W_csr @ X^T).T with torch.sparse CSR (cuSPARSE on the GPU)."""
+    """Inference only: Y = (W_csr @ X^T).T with torch.sparse CSR (cuSPARSE on the GPU). With
+    `amp` (a half dtype: the run's --autocast) W is kept in that dtype and x cast to it, since
+    autocast has no rule for sparse matmuls."""
 
-    def __init__(self, layer: snack.SparseLinear):
+    def __init__(self, layer: snack.SparseLinear, amp: Optional[torch.dtype] = None):
         super().__init__()
         topo = snack_backend.get_topology(layer.indices, (layer.out_features, layer.in_features))
+        dtype = amp or layer.values.dtype
         self.w = torch.sparse_csr_tensor(topo.row_ptr.long(), topo.cols.long(),
-                                         layer.values.detach().clone(), topo.shape)
-        self.bias = layer.bias.detach().clone() if layer.bias is not None else None
+                                         layer.values.detach().to(dtype, copy=True), topo.shape)
+        self.bias = layer.bias.detach().to(dtype, copy=True) if layer.bias is not None else None
 
     def forward(self, x):
-        y = torch.mm(self.w, x.t().contiguous()).t()
+        y = torch.mm(self.w, x.to(self.w.dtype).t().contiguous()).t()
         return y + self.bias if self.bias is not None else y
 
 
-def build(method: str, ref: snack.SparseLinear, dense_w: torch.Tensor) -> nn.Module:
+def build(method: str, ref: snack.SparseLinear, dense_w: torch.Tensor,
+          amp: Optional[torch.dtype] = None) -> nn.Module:
     """A layer computing the same function as `ref` (a SparseLinear) by `method`; dense_w is
-    ref's dense weight (out, in)."""
+    ref's dense weight (out, in); amp: the autocast dtype, if any (cuSPARSE's W takes it)."""
     if method == "snack":
         return copy.deepcopy(ref)
     if method == "dense":
@@ -146,25 +163,34 @@ def build(method: str, ref: snack.SparseLinear, dense_w: torch.Tensor) -> nn.Mod
         mask[idx[0], idx[1]] = True
         return DenseMask(dense_w, mask, ref.bias.detach())
     if method == "cusparse":
-        return CuSparse(ref)
+        return CuSparse(ref, amp)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
 # ---- the two phases -------------------------------------------------------------------------------
+def autocast_context(device: torch.device, amp: Optional[torch.dtype]):
+    """torch.autocast on `device` with dtype amp (weight-cast cache off), or nothing for None."""
+    if amp is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=amp, cache_enabled=False)
+
+
 def make_step(model: nn.Module, phase: str, x: torch.Tensor, dy: torch.Tensor,
-              opt: Optional[torch.optim.Optimizer]) -> Callable[[], torch.Tensor]:
+              opt: Optional[torch.optim.Optimizer], amp: Optional[torch.dtype] = None) -> Callable[[], torch.Tensor]:
     """train: zero grads, y = model(x), y.backward(dy) (dX and the weight gradient), opt.step();
-    infer: y = model(x) under no_grad. Returns y (the forward output) either way."""
+    infer: y = model(x) under no_grad. Returns y (the forward output) either way. With amp (a
+    half dtype) the forward runs under torch.autocast with it."""
     if phase == "infer":
         def infer():
-            with torch.no_grad():
+            with torch.no_grad(), autocast_context(x.device, amp):
                 return model(x)
         return infer
 
     def train():
         opt.zero_grad(set_to_none=True)
         x.grad = None
-        y = model(x)
+        with autocast_context(x.device, amp):
+            y = model(x)
         y.backward(dy)
         opt.step()
         return y
@@ -230,11 +256,13 @@ def capture(fn) -> tuple:
 
 
 def check_graph(g, out: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Poisons the static output, replays, and compares with the eager result."""
+    """Poisons the static output, replays, and compares with the eager result (to 1e-3, or to
+    2e-2 for half-precision outputs: the two runs' fp32 sums may round to neighbouring values)."""
     out.detach().fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
-    return bool(torch.allclose(out, expected, rtol=1e-3, atol=1e-3))
+    tol = 1e-3 if out.dtype in (torch.float32, torch.float64) else 2e-2
+    return out.dtype == expected.dtype and bool(torch.allclose(out.float(), expected.float(), rtol=tol, atol=tol))
 
 
 def graph_us(fn, g, args) -> float:
@@ -299,6 +327,7 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
             args, nvml) -> Dict[str, object]:
     """Every figure of one (method, phase, B)."""
     device = dense_w.device
+    amp = None if args.autocast == "off" else getattr(torch, args.autocast)
     row = dict(method=method, phase=phase, B=B, eager_us=NAN, graph_us=NAN, peak_mb=NAN,
                energy_mj=NAN, power_w=NAN, graph_check="n/a",
                adam_capturable="eager and peak: False, graph and energy: True" if phase == "train" else "")
@@ -310,11 +339,11 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
         torch.cuda.empty_cache()
         _sync(device)
         base = torch.cuda.memory_allocated(device)
-    model = build(method, ref, dense_w)
+    model = build(method, ref, dense_w, amp)
     x = torch.randn(B, ref.in_features, device=device, generator=g, requires_grad=phase == "train")
-    dy = torch.randn(B, ref.out_features, device=device, generator=g)
+    dy = torch.randn(B, ref.out_features, device=device, generator=g, dtype=amp or torch.float32)
     opt = make_adam(model, args) if phase == "train" else None
-    fn = make_step(model, phase, x, dy, opt)
+    fn = make_step(model, phase, x, dy, opt, amp)
     for _ in range(2):
         fn()
     if device.type == "cuda":
@@ -328,10 +357,10 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
         if phase == "train":   # a capturable optimizer for the graph (its state on the device)
             del opt
             opt = make_adam(model, args, capturable=True)
-            fn = make_step(model, phase, x, dy, opt)
+            fn = make_step(model, phase, x, dy, opt, amp)
         try:
             gr, out = capture(fn)
-            with torch.no_grad():
+            with torch.no_grad(), autocast_context(device, amp):
                 expected = model(x)
             ok = check_graph(gr, out, expected)
             row["graph_check"] = "ok" if ok else "MISMATCH"
@@ -400,7 +429,8 @@ def add_ratios(rows: List[dict]) -> None:
 def print_table(rows: List[dict], env: dict, args) -> None:
     print(f"{env['device_name']}  torch {env['torch']}  numba {env['numba']}  triton {env['triton']}  "
           f"commit {env['commit']}  snack backend: {env['snack_backend']}")
-    print(f"layer {args.out_features} x {args.in_features}, sparsity {args.sparsity}, fp32, optimizer "
+    prec = "fp32" if args.autocast == "off" else f"fp32 weights, forward under autocast({args.autocast})"
+    print(f"layer {args.out_features} x {args.in_features}, sparsity {args.sparsity}, {prec}, optimizer "
           f"{args.optimizer}; times in us "
           "(eager / graph), peak MiB; x = speed-up vs dense / vs Dense+Mask (graph, else eager)")
     print(f"{'phase':6s} {'B':>4s} {'method':10s} {'eager':>9s} {'graph':>9s} {'peak MiB':>9s} "
@@ -448,7 +478,7 @@ def main(argv=None) -> List[dict]:
                       f"{r['graph_check']}", file=sys.stderr, flush=True)
     add_ratios(rows)
     common = dict(in_features=args.in_features, out_features=args.out_features, sparsity=args.sparsity,
-                  nnz=ref.nnz, dtype="float32", optimizer=args.optimizer, **env)
+                  nnz=ref.nnz, dtype="float32", autocast=args.autocast, optimizer=args.optimizer, **env)
     rows = [{**common, **r} for r in rows]
     print_table(rows, env, args)
     out = write_csv(args.out, [{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}

@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
 from experiments.cli import csv_to_plot  # noqa: E402
 
 DEFAULT_CSV = "results/bench_kernels.csv"
+_ESIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def main(argv=None):
@@ -79,11 +80,12 @@ def main(argv=None):
     ax.set_xscale("log", base=2)
     ax.set_title("SNACK forward: % of HBM roofline")
     ax.set_xlabel("batch B")
-    ax.set_ylabel("% of roofline (12 B/nnz + X, Y)")
+    dtype = rows[0].get("dtype") or "float32"
+    ax.set_ylabel(f"% of roofline ({8 + _ESIZE.get(dtype, 4)} B/nnz + X, Y)")
     ax.legend(fontsize=7)
     ax.grid(True, alpha=0.3)
     gpu = rows[0].get("gpu", "")
-    fig.suptitle(f"SNACK-COO kernels on {gpu} (commit {rows[0].get('commit', '?')})", fontsize=10)
+    fig.suptitle(f"SNACK-COO kernels on {gpu}, {dtype} (commit {rows[0].get('commit', '?')})", fontsize=10)
     fig.tight_layout()
     import os
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

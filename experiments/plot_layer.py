@@ -166,7 +166,9 @@ def plot(rows, sparsity, out):
     else:
         _blank(ax, "separate eager timing")
 
-    fig.suptitle(f"one layer {r0['out_features']} x {r0['in_features']}, sparsity {sparsity:g}, fp32 - "
+    amp = r0.get("autocast") or "off"
+    prec = "fp32" if amp == "off" else f"fp32 weights, autocast {amp}"
+    fig.suptitle(f"one layer {r0['out_features']} x {r0['in_features']}, sparsity {sparsity:g}, {prec} - "
                  f"{r0.get('device_name', '')}, torch {r0.get('torch', '')}, commit {r0.get('commit', '')}, "
                  f"SNACK backend {r0.get('snack_backend', '')}"
                  + (f", optimizer {r0['optimizer']} for every method" if r0.get("optimizer") else ""), fontsize=10)

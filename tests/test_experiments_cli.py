@@ -78,6 +78,37 @@ def test_bench_kernels_quick_keeps_explicit_grid():
     assert a.sparsity_list == [0.5, 0.8, 0.9, 0.95, 0.99] and a.out == "results/bench_kernels.csv"
 
 
+def test_bench_kernels_half_dtypes_write_their_own_csv():
+    from experiments import bench_kernels as b
+    assert b.parse_args(["--quick", "--dtype", "bfloat16"]).out == "results/bench_kernels_quick_bfloat16.csv"
+    assert b.parse_args(["--dtype", "float16"]).out == "results/bench_kernels_float16.csv"
+    assert b.parse_args(["--dtype", "float16", "--out", "x.csv"]).out == "x.csv"
+
+
+def test_bench_layer_autocast_on_the_cpu(tmp_path):
+    """--autocast runs every method's forward under torch.autocast: the outputs come back in the
+    half dtype, the CSV says so, and the default CSV name carries it."""
+    from experiments import bench_layer as b
+    assert b.parse_args(["--device", "cpu", "--autocast", "bfloat16"]).out.endswith(
+        "bench_layer_cpu_autocast_bfloat16.csv")
+    out = tmp_path / "layer.csv"
+    rows = b.main(["--device", "cpu", "--quick", "--autocast", "bfloat16", "--batches", "3",
+                   "--rep_ms", "5", "--out", str(out)])
+    assert {(r["method"], r["phase"]) for r in rows} == {(m, p) for m in ("snack", "dense", "densemask")
+                                                         for p in ("train", "infer")}
+    assert all(r["autocast"] == "bfloat16" for r in rows)
+    assert all(float(r["eager_us"]) > 0 for r in rows)
+    with open(out, newline="") as f:
+        assert {r["autocast"] for r in csv.DictReader(f)} == {"bfloat16"}
+    layer = b.build("snack", b.snack.SparseLinear(16, 8, sparsity=0.5), torch.zeros(8, 16))
+    x, dy = torch.randn(3, 16, requires_grad=True), torch.randn(3, 8, dtype=torch.bfloat16)
+    opt = torch.optim.Adam(layer.parameters())
+    y = b.make_step(layer, "train", x, dy, opt, torch.bfloat16)()
+    assert y.dtype == torch.bfloat16 and x.grad is not None and x.grad.dtype == torch.float32
+    assert b.make_step(layer, "infer", x, dy, None, torch.bfloat16)().dtype == torch.bfloat16
+    assert b.make_step(layer, "infer", x, dy, None)().dtype == torch.float32
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--shapes", "4096"], "--shapes must be"),
     (["--sparsity", "1.5"], "--sparsity must be"),
