@@ -9,6 +9,7 @@
 #   make install TORCH= EXTRAS=experiments,test,gpu   # GPU machine: keep the CUDA torch you installed
 #   make test | demo | demo-ddp | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
 #   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2 | bench-gpt2-rest   (the other CSVs REPRODUCTION.md cites)
+#   make bench-bf16                               # half precision: kernels in bfloat16, the layer under autocast
 #   make -j2 mnist-recipe [DIST=erk]              # LeNet-300-100 with sparse_learning's recipe, dense / SET / RigL
 
 VENV    ?= .venv
@@ -29,12 +30,18 @@ GPT2_B1_FIG          := papers/fig_gpt2_b1.png
 KERNELS_GPT2_CSV     := results/bench_kernels_gpt2.csv
 GPT2_REST_CSV        := results/bench_gpt2_rest.csv
 GPT2_REST_FIG        := papers/fig_gpt2_rest.png
+KERNELS_BF16_CSV     := results/bench_kernels_quick_bfloat16.csv
+KERNELS_BF16_FIG     := papers/fig_kernels_bf16.png
+LAYER_BF16_CSV       := results/bench_layer_snack_adam_autocast_bfloat16.csv
+LAYER_BF16_FIG       := papers/fig_layer_autocast_bf16.png
 # Their figures, redrawn by `make figures` too: plot script : CSV : figure : the target measuring it.
 MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-layer-snack-adam \
                 gpt2:$(GPT2_B1_CSV):$(GPT2_B1_FIG):figure-gpt2-b1 \
-                gpt2:$(GPT2_REST_CSV):$(GPT2_REST_FIG):bench-gpt2-rest
+                gpt2:$(GPT2_REST_CSV):$(GPT2_REST_FIG):bench-gpt2-rest \
+                kernels:$(KERNELS_BF16_CSV):$(KERNELS_BF16_FIG):bench-bf16 \
+                layer:$(LAYER_BF16_CSV):$(LAYER_BF16_FIG):bench-bf16
 
-.PHONY: help install test demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest figures figure-mnist \
+.PHONY: help install test demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest bench-bf16 figures figure-mnist \
         figure-layer-snack-adam figure-gpt2-b1 clean-cache
 
 help:
@@ -100,6 +107,15 @@ figure-%:
 figure-layer-snack-adam:
 	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --out $(LAYER_SNACK_ADAM_CSV)
 	$(PY) experiments/plot_layer.py --csv $(LAYER_SNACK_ADAM_CSV) --out $(LAYER_SNACK_ADAM_FIG)
+
+# Half precision (GPU): the kernels' 12 target points in bfloat16 (every method in bfloat16: cuBLAS
+# on the tensor cores), and the layer at B = 1, 8, 32 with its forward under autocast(bfloat16)
+# (weights and snack.optim.Adam in float32, as mixed-precision training runs).
+bench-bf16:
+	$(PY) experiments/bench_kernels.py --quick --dtype bfloat16 --out $(KERNELS_BF16_CSV)
+	$(PY) experiments/plot_kernels.py --csv $(KERNELS_BF16_CSV) --out $(KERNELS_BF16_FIG)
+	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --autocast bfloat16 --out $(LAYER_BF16_CSV)
+	$(PY) experiments/plot_layer.py --csv $(LAYER_BF16_CSV) --out $(LAYER_BF16_FIG)
 
 # Claim 7 (GPU): GPT-2 with 1 x 128 training tokens per step.
 figure-gpt2-b1:

@@ -99,3 +99,26 @@ def test_make_mnist_recipe_runs_valid_configs_into_their_own_folders(dist, runs)
         assert Path(cfg["out_dir"]).name == want
         folders.add(want)
     assert len(folders) == runs
+
+
+def test_make_bench_bf16_measures_in_bfloat16_and_draws_what_it_wrote():
+    import shlex
+    import shutil
+    import subprocess
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    from experiments import bench_kernels, bench_layer
+    out = subprocess.run(["make", "-n", "bench-bf16"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    argvs = [shlex.split(line) for line in out.splitlines() if "experiments/" in line]
+    scripts = [next(a for a in argv if a.startswith("experiments/")) for argv in argvs]
+    assert scripts == ["experiments/bench_kernels.py", "experiments/plot_kernels.py",
+                       "experiments/bench_layer.py", "experiments/plot_layer.py"]
+    rest = [argv[argv.index(s) + 1:] for argv, s in zip(argvs, scripts)]
+    k = bench_kernels.parse_args(rest[0])
+    assert k.dtype == "bfloat16" and k.batch_list == [1, 8, 32, 128]
+    lay = bench_layer.parse_args(rest[2])
+    assert (lay.autocast, lay.optimizer, lay.batch_list) == ("bfloat16", "snack-adam", [1, 8, 32])
+    # each plot reads the CSV its benchmark wrote
+    assert rest[1][rest[1].index("--csv") + 1] == k.out
+    assert rest[3][rest[3].index("--csv") + 1] == lay.out
