@@ -184,10 +184,16 @@ def _param_block(n: int):
     return slots, ptrs, int(ptrs.ctypes.data)
 
 
+def _kernel_key(dispatcher, idx: int, arrays) -> tuple:
+    """What a compiled kernel is cached under: the dispatcher, the device and the dtype of every
+    array argument (one kernel compiled for int32 indices must never read uint16 ones)."""
+    return (id(dispatcher), idx) + tuple(t.dtype for t in arrays)
+
+
 def _driver_kernel(dispatcher, idx: int, arrays, scalars, device) -> "_DriverKernel":
     """The _DriverKernel of `dispatcher` for these arguments' dtypes on device idx, built once
     (per device: the shared-memory limit is a per-device attribute of a kernel)."""
-    key = (id(dispatcher), idx, arrays[0].dtype, arrays[-1].dtype, arrays[-2].dtype)
+    key = _kernel_key(dispatcher, idx, arrays)
     k = _driver_kernels.get(key)
     if k is None:
         with _lock:

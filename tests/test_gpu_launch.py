@@ -106,7 +106,7 @@ def test_bound_launch_writes_fixed_arguments_once_and_per_call_arrays_when_they_
     fa, fb = torch.zeros(6, dtype=torch.int32), torch.zeros(9, dtype=torch.int16)
     x1, y = torch.zeros(5), torch.zeros(4, dtype=torch.float64)
     bound, k, disp = _bound_with_fake_driver(monkeypatch, [fa, None, fb, None], [5, 2.5], seen)
-    monkeypatch.setitem(L._driver_kernels, (id(disp), 0, fa.dtype, y.dtype, fb.dtype), k)
+    monkeypatch.setitem(L._driver_kernels, L._kernel_key(disp, 0, [fa, x1, fb, y]), k)
     dev = torch.device("cuda", 0)
     x2 = torch.zeros(8)
     bound([x1, y], dev)
@@ -124,6 +124,31 @@ def test_bound_launch_writes_fixed_arguments_once_and_per_call_arrays_when_they_
         assert call["smem"] == 100 and call["stream"] == 77
 
 
+def test_driver_kernels_are_compiled_per_dtype_of_every_array(monkeypatch):
+    # the same dispatcher with arrays that differ only in a middle argument's dtype (an int32 or
+    # a uint16 index) gets a kernel compiled for each, never the other's
+    import contextlib
+    from numba import cuda
+    from snack.gpu import launch as L
+    made = []
+
+    class FakeKernel:
+        def __init__(self, dispatcher, sig, n_arrays, n_scalars, max_smem):
+            made.append(sig)
+
+    monkeypatch.setattr(L, "_DriverKernel", FakeKernel)
+    monkeypatch.setattr(L, "device_properties", lambda device: (1, 0, 0))
+    monkeypatch.setattr(cuda, "gpus", {0: contextlib.nullcontext()}, raising=False)
+    monkeypatch.setattr(L, "_driver_kernels", {})
+    disp = object()
+    f32, i32, u16 = torch.zeros(2), torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.uint16)
+    k1 = L._driver_kernel(disp, 0, [f32, i32, f32, f32], [1], None)
+    k2 = L._driver_kernel(disp, 0, [f32, u16, f32, f32], [1], None)
+    assert k1 is not k2
+    assert L._driver_kernel(disp, 0, [f32, i32, f32, f32], [1], None) is k1
+    assert [str(sig[1].dtype) for sig in made] == ["int32", "uint16"]
+
+
 def test_bound_launch_per_call_scalars(monkeypatch):
     # scalars given as None are passed at every call (an optimizer's learning rate) and written
     # when they change; the fixed ones stay; a wrong count is refused
@@ -131,7 +156,7 @@ def test_bound_launch_per_call_scalars(monkeypatch):
     seen = []
     x, c = torch.zeros(5), torch.zeros(2, dtype=torch.int32)
     bound, k, disp = _bound_with_fake_driver(monkeypatch, [None, c], [7, None, 3, None], seen)
-    monkeypatch.setitem(L._driver_kernels, (id(disp), 0, x.dtype, c.dtype, x.dtype), k)
+    monkeypatch.setitem(L._driver_kernels, L._kernel_key(disp, 0, [x, c]), k)
     dev = torch.device("cuda", 0)
     for lr, n in ((0.5, 11), (0.5, 11), (0.25, 12), (-1.0, 12)):
         bound([x], dev, (lr, n))
@@ -148,7 +173,7 @@ def test_bound_launch_from_several_threads_keeps_each_calls_arrays(monkeypatch):
     fixed = torch.zeros(3)
     bound, k, disp = _bound_with_fake_driver(monkeypatch, [fixed, None], [], seen)
     tensors = [torch.zeros(i + 1) for i in range(4)]
-    monkeypatch.setitem(L._driver_kernels, (id(disp), 0, fixed.dtype, tensors[0].dtype, fixed.dtype), k)
+    monkeypatch.setitem(L._driver_kernels, L._kernel_key(disp, 0, [fixed, tensors[0]]), k)
     mine = {}
 
     def worker(t):
