@@ -228,7 +228,12 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001 - recorded in the CSV
                     print(f"graph timing failed for {op}/{method}: {e}", file=sys.stderr)
                     g_us = float("nan")
-                e_us = float("nan") if args.no_eager else do_bench(eager_fn, warmup=10, rep=40, return_mode="median") * 1e3
+                try:
+                    e_us = float("nan") if args.no_eager else \
+                        do_bench(eager_fn, warmup=10, rep=40, return_mode="median") * 1e3
+                except Exception as e:  # noqa: BLE001 - recorded in the CSV (e.g. a dtype a library lacks)
+                    print(f"eager timing failed for {op}/{method}: {e}", file=sys.stderr)
+                    e_us = float("nan")
                 rows.append(dict(meta, shape=shape, out_features=n_out, in_features=n_in, sparsity=sp,
                                  batch=B, nnz=nnz, op=op, method=method, graph_us=round(g_us, 3),
                                  eager_us=round(e_us, 3),
