@@ -98,7 +98,12 @@ def _cv_f16(f):
 
 @cuda.jit(device=True, inline=True)
 def _cv_bf16(f):
+    """f (fp32) to bfloat16 bits, rounded to nearest even; a NaN stays a (quiet) NaN of its sign.
+    (Rounding the GPU's NaN, 0x7FFFFFFF, by the same addition would carry into the sign bit and
+    give -0.)"""
     u = cuda.libdevice.float_as_int(f)
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return int16((u >> 16) | 0x40)
     u = u + 0x7FFF + ((u >> 16) & 1)  # round to nearest even
     return int16(u >> 16)
 

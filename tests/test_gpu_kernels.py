@@ -200,6 +200,36 @@ def test_half_precision_within_twice_torchs_own_error(shape, B, density, dtype, 
         assert ours <= 2 * theirs, (name, ours, theirs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,kw", [(1, {}), (8, {}), (20, {}), (32, {}), (64, {}), (32, {"wide": True, "chunks": 3})])
+def test_nan_in_an_input_reaches_exactly_the_outputs_it_feeds(dtype, B, kw, gen):
+    """A NaN in X (or dY) makes NaN every output that reads it, and no other: on the GPU an
+    fp32 NaN is 0x7FFFFFFF, which the half-precision stores must keep a NaN (not round to -0)."""
+    import snack.gpu as G
+    from snack.core import COO
+    coo = COO.random((1024, 2048), density=0.08, generator=gen, device="cuda")
+    t, v = coo.topology, coo.values.to(dtype)
+    r, c = t.indices[0].long(), t.indices[1].long()
+    col, row = int(c[0]), int(r[-1])
+    x = torch.randn(B, 2048, generator=gen).to(dtype).cuda()
+    dy = torch.randn(B, 1024, generator=gen).to(dtype).cuda()
+    x[B - 1, col] = float("nan")
+    dy[0, row] = float("nan")
+    y = G.spmm(x, t, v, **kw)
+    want = torch.zeros(B, 1024, dtype=torch.bool, device="cuda")
+    want[B - 1, r[c == col]] = True
+    assert torch.equal(torch.isnan(y), want)
+    dx = G.spmm_t(dy, t, v, **kw)
+    want = torch.zeros(B, 2048, dtype=torch.bool, device="cuda")
+    want[0, c[r == row]] = True
+    assert torch.equal(torch.isnan(dx), want)
+    dv = G.sddmm(dy, x, t, **{k: a for k, a in kw.items() if k != "split"})
+    assert torch.equal(torch.isnan(dv), (r == row) | (c == col))
+    if B <= 32:
+        fdx, fdv = G.spmm_t_sddmm(dy, x, t, v)
+        assert torch.equal(torch.isnan(fdx), torch.isnan(dx)) and torch.equal(torch.isnan(fdv), torch.isnan(dv))
+
+
 def test_empty_rows_and_no_nonzeros(gen):
     from snack.core import COO
     idx = torch.tensor([[0, 0, 5, 9], [3, 7, 1, 7]])

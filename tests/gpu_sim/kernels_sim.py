@@ -9,10 +9,12 @@ import copy
 
 import pytest
 import torch
+from numba import cuda
 
 import snack.gpu as G
 from snack.core import COO
 from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
+from snack.gpu.kernels import _cv_bf16
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -824,3 +826,49 @@ def test_forward_reads_a_uint16_column_index(monkeypatch, dtype, B, kw, mode):
         assert t.cache["cols_u16"] is c
     monkeypatch.setattr(ops, "IDX16_MAX_ROWS", 44)  # more columns than that: int32
     assert ops._cols(COO.random(shape, density=0.2, seed=1).topology).dtype == torch.int32
+
+
+@cuda.jit
+def _to_bf16_bits(x, out):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < x.size:
+        out[i] = _cv_bf16(x[i])
+
+
+def test_bfloat16_rounding_matches_torch_and_keeps_nan():
+    # the kernels' fp32 -> bfloat16 store: round to nearest even as torch does, +-Inf kept,
+    # overflow to Inf, and every NaN (the GPU's own 0x7FFFFFFF among them) a NaN of its sign
+    special = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FBFFFFF,
+               0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x3F808000, 0x3F818000,
+               0x3F807FFF, 0x00000001, 0x80000001, 0x00000000, 0x80000000, 0x007FFFFF]
+    bits = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in special], dtype=torch.int32)
+    x = torch.cat([bits.view(torch.float32), torch.randn(200, generator=torch.Generator().manual_seed(5)) * 1e3])
+    out = torch.zeros(x.numel(), dtype=torch.int16)
+    xs, outs = x.numpy(), out.numpy()
+    _to_bf16_bits[(x.numel() + 63) // 64, 64](xs, outs)
+    got = torch.from_numpy(outs).view(torch.bfloat16).float()
+    want = x.to(torch.bfloat16).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(torch.signbit(got[nan]), torch.signbit(x[nan]))
+    assert torch.equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,kw", [(3, {}), (20, dict(wide=True, chunks=2))])
+def test_nan_in_an_input_reaches_exactly_the_outputs_it_feeds(dtype, B, kw):
+    coo = COO.random((9, 40), density=0.2, seed=B)
+    t, v = coo.topology, coo.values.to(dtype)
+    r, c = t.indices[0].long(), t.indices[1].long()
+    col, row = int(c[0]), int(r[-1])
+    g = torch.Generator().manual_seed(B)
+    x, dy = torch.randn(B, 40, generator=g).to(dtype), torch.randn(B, 9, generator=g).to(dtype)
+    x[B - 1, col] = float("nan")
+    dy[0, row] = float("nan")
+    want = torch.zeros(B, 9, dtype=torch.bool)
+    want[B - 1, r[c == col]] = True
+    assert torch.equal(torch.isnan(G.spmm(x, t, v, **kw)), want)
+    want = torch.zeros(B, 40, dtype=torch.bool)
+    want[0, c[r == row]] = True
+    assert torch.equal(torch.isnan(G.spmm_t(dy, t, v, **kw)), want)
+    assert torch.equal(torch.isnan(G.sddmm(dy, x, t, **kw)), (r == row) | (c == col))
