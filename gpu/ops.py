@@ -281,22 +281,6 @@ def _rows_by_col(topo: Topology) -> torch.Tensor:
     return r
 
 
-# The forward SpMM's column index as uint16 (a cached copy of indices[1], 2 bytes per connection
-# more memory, 2 fewer read per connection and call) when W has <= IDX16_MAX_ROWS columns and a
-# density <= IDX16_MAX_DENSITY. Off unless IDX16_COLS.
-IDX16_COLS = False
-
-
-def _cols(topo: Topology) -> torch.Tensor:
-    """The forward SpMM's column index: indices[1], or its uint16 copy (see IDX16_COLS)."""
-    if not IDX16_COLS or topo.shape[1] > IDX16_MAX_ROWS or _density(topo) > IDX16_MAX_DENSITY:
-        return topo.indices[1]
-    c = topo.cache.get("cols_u16")
-    if c is None:
-        c = topo.cache["cols_u16"] = topo.indices[1].to(torch.uint16)
-    return c
-
-
 def _perm32(topo: Topology) -> torch.Tensor:
     p = topo.cache.get("col_perm_i32")
     if p is None:
@@ -314,7 +298,6 @@ def _perm32(topo: Topology) -> torch.Tensor:
 # plans kept (they depend only on the shape and nnz and hold the arrays by address).
 REBUILD.update({"seg": lambda t, key: _seg(t, *key[1:]),
                 "rows_by_col_u16": lambda t, key: _rows_by_col(t),
-                "cols_u16": lambda t, key: t.indices[1].to(torch.uint16),
                 "col_perm_i32": lambda t, key: _perm32(t),
                 "spmm_plan": None, "sddmm_plan": None, "fused_plan": None})
 
@@ -378,8 +361,7 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     up) (see `_spmm_launch`), or None when no variant fits in shared memory (torch fallback)."""
     mode = _sum_mode()
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
-                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE,
-                               IDX16_COLS),
+                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
 
@@ -506,7 +488,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
         ptr, idx, perm = topo.col_ptr, _rows_by_col(topo), _perm32(topo)
     else:
         n_rows, n_cols = topo.shape
-        ptr, idx, perm = topo.row_ptr, _cols(topo), None
+        ptr, idx, perm = topo.row_ptr, topo.indices[1], None
     third = perm if perm is not None else ptr
     idx16 = idx.dtype == torch.uint16
     if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo):
