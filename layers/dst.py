@@ -34,6 +34,7 @@ the re-sort costs O(nnz log nnz) and RigL recomputes the full dense-gradient pro
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
@@ -461,7 +462,7 @@ class DynamicSparseTraining:
         summary = UpdateSummary(step=t, drop_fraction=f)
         skipped = []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._no_autocast():
                 missing = set()
                 if f > 0.0:
                     try:
@@ -491,6 +492,15 @@ class DynamicSparseTraining:
                           stacklevel=2)
         self.last_update = summary
         return summary
+
+    def _no_autocast(self) -> contextlib.ExitStack:
+        """Autocast off on the layers' device types for an update: a step called inside a
+        torch.autocast region must score (RigL's dY^T X products) in fp32, not in its dtype."""
+        stack = contextlib.ExitStack()
+        for dev in sorted({layer.values.device.type for _, layer in self.layers}):
+            if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+                stack.enter_context(torch.autocast(dev, enabled=False))
+        return stack
 
     def _check_finite(self, t: int) -> set:
         """Raises ValueError, before any layer changes, where a layer's values (or the inputs and

@@ -244,6 +244,33 @@ def test_rigl_drops_smallest_and_grows_largest_dense_gradient(block):
         _check_canonical(l)
 
 
+def test_an_update_inside_an_autocast_region_scores_in_float32(monkeypatch):
+    # dst.step() called inside a torch.autocast region: RigL's dY^T X products run in fp32 all
+    # the same (autocast would make them bf16), so the pattern equals the one an update outside
+    # the region makes from the same gradients
+    scored = []
+    real = RigL.grow_scores
+
+    def spy(self, layer, rows, cols):
+        out = real(self, layer, rows, cols)
+        scored.append(out.dtype)
+        return out
+    monkeypatch.setattr(RigL, "grow_scores", spy)
+    patterns = []
+    for inside in (False, True):
+        model = _mlp(seed=4, sizes=(40, 60, 9), sparsity=0.7)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        dst = RigL(model, opt, update_every=1, drop_fraction=0.3, decay="constant", seed=0)
+        x, y = _data(1, seed=6, in_f=40, out_f=9, batch=16)[0]
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=inside):
+            dst.step()
+        patterns.append([_keys(l).clone() for l in _sparse(model)])
+    assert scored and set(scored) == {torch.float32}
+    assert all(torch.equal(a, b) for a, b in zip(*patterns))
+
+
 def test_rigl_keeps_activations_only_on_update_steps_and_warns_without_gradient():
     model = _mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
