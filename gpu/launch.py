@@ -12,8 +12,9 @@ Three paths, chosen once per process:
 - "sim": Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) on CPU tensors viewed as numpy arrays;
   used by the tests on machines without a GPU.
 Every kernel argument is a 1-D C-contiguous array or a scalar (a Python int is passed as int64, a
-Python float as float64); bfloat16 tensors are passed as their int16 bits (Numba has no bfloat16
-array type).
+Python float as float64); bfloat16 tensors are read as their int16 bits (Numba has no bfloat16
+array type): the kernel is compiled for int16, and the driver path takes the bfloat16 tensor itself
+(`as_kernel_array` makes the int16 view the other paths need).
 Trade-off: the driver path relies on Numba's kernel ABI and its compiled-kernel handle; there is
 no start-up check of it: a mismatch (a numba-cuda release changing the ABI) would show as wrong
 results in the GPU tests, which run every kernel through this path against float64 references,
@@ -51,9 +52,10 @@ def launch_mode() -> str:
 
 
 def as_kernel_array(t: torch.Tensor) -> torch.Tensor:
-    """`t` as kernels take it (a contiguous tensor, read as 1-D): bfloat16 as int16 bits.
-    Under the simulator the tensor is also flattened (numpy needs the 1-D shape)."""
-    if t.dtype == torch.bfloat16:
+    """`t` as kernels take it (a contiguous tensor, read as 1-D): bfloat16 as int16 bits (the
+    driver path takes bfloat16 tensors as they are: it reads their pointer and size, and compiles
+    for int16). Under the simulator the tensor is also flattened (numpy needs the 1-D shape)."""
+    if t.dtype == torch.bfloat16 and (_mode or launch_mode()) != "driver":
         t = t.view(torch.int16)
     if _SIM:
         t = t.reshape(-1)
@@ -273,7 +275,8 @@ def _numba_sig(arrays, scalars):
     from numba.np.numpy_support import from_dtype
     tys = []
     for t in arrays:
-        npdt = np.dtype(str(t.dtype).replace("torch.", ""))
+        # bfloat16 as its int16 bits (Numba has no bfloat16 array type)
+        npdt = np.dtype("int16" if t.dtype == torch.bfloat16 else str(t.dtype).replace("torch.", ""))
         tys.append(types.Array(from_dtype(npdt), 1, "C"))
     tys += [types.float64 if isinstance(v, float) else types.int64 for v in scalars]
     return tuple(tys)

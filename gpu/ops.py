@@ -61,6 +61,7 @@ _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _THREADS = 32 if launch_mode() == "sim" else 1024  # the simulator runs one OS thread per CUDA thread
 _SIM = launch_mode() == "sim"
 _GPU_ONLY = not _SIM  # the simulator takes CPU tensors
+_BF16_VIEWS = launch_mode() != "driver"  # bfloat16 tensors need int16 views (see as_kernel_array)
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device):
@@ -587,7 +588,7 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
     bound, sums = plan
     target = _partial_target(y, sums, bound.grid[0], dev)
     # without a bias, `values` stands in for the unread argument
-    if kind == 2 or _SIM:  # bfloat16 as int16 bits; 1-D numpy views under the simulator
+    if _SIM or (kind == 2 and _BF16_VIEWS):  # bfloat16 as int16 bits; 1-D numpy views under the simulator
         vals = as_kernel_array(values)
         bound([as_kernel_array(x), vals, as_kernel_array(target), vals if bias is None else as_kernel_array(bias)],
               dev)
@@ -899,7 +900,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     target = _partial_target(dx, sums, bound.grid[0], dev)
     dv = torch.empty(topo.nnz, dtype=dy.dtype, device=dev)
     db = torch.empty(n_out, dtype=dy.dtype, device=dev) if bias_grad else dummy_array(dev, dy.dtype)
-    if kind == 0 and not _SIM:
+    if not _SIM and (kind != 2 or not _BF16_VIEWS):
         bound([dy, values, target, x, dv, db], dev)
     else:
         bound([as_kernel_array(dy), as_kernel_array(values), as_kernel_array(target), as_kernel_array(x),

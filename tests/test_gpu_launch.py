@@ -149,6 +149,21 @@ def test_driver_kernels_are_compiled_per_dtype_of_every_array(monkeypatch):
     assert [str(sig[1].dtype) for sig in made] == ["int32", "uint16"]
 
 
+def test_bfloat16_arrays_compile_as_int16_and_need_no_view_on_the_driver_path(monkeypatch):
+    # the driver path hands a bfloat16 tensor over as it is (pointer, size, item size) and the
+    # kernel is compiled for its int16 bits; the other paths need the int16 view
+    from snack.gpu import launch as L
+    bf = torch.zeros(3, dtype=torch.bfloat16)
+    sig = L._numba_sig([bf, torch.zeros(2)], [1, 0.5])
+    assert [str(t.dtype) for t in sig[:2]] == ["int16", "float32"]
+    assert [str(t) for t in sig[2:]] == ["int64", "float64"]
+    monkeypatch.setattr(L, "_mode", "driver")
+    assert L.as_kernel_array(bf) is bf
+    monkeypatch.setattr(L, "_mode", "numba")
+    v = L.as_kernel_array(bf)
+    assert v.dtype == torch.int16 and v.data_ptr() == bf.data_ptr()
+
+
 def test_bound_launch_per_call_scalars(monkeypatch):
     # scalars given as None are passed at every call (an optimizer's learning rate) and written
     # when they change; the fixed ones stay; a wrong count is refused
