@@ -4,10 +4,11 @@ backward fused in one pass), a fused Adam step, and their launchers.
 Knows nothing of autograd or nn.Module. Tensors in, tensors out, on torch's current stream.
 """
 from .launch import launch_mode
-from .ops import spmm, spmm_t, sddmm, spmm_t_sddmm, fuses_backward, choose_tile
+from .ops import spmm, spmm_t, sddmm, spmm_t_sddmm, fuses_backward, choose_tile, MIXED_VALUES
 from .optim import adam_step, adam_steps
 
-__all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "adam_step", "adam_steps", "choose_tile", "is_available", "launch_mode"]
+__all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "adam_step", "adam_steps", "choose_tile", "is_available", "launch_mode",
+           "MIXED_VALUES"]
 
 
 def is_available() -> bool:

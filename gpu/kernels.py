@@ -36,6 +36,8 @@ Arrays (all on the GPU, C-contiguous):
   y     (B, n_rows) like x        output, every element written exactly once
   bias  (n_rows,) like x          (forward SpMM with bias only) added to every output row
 Dtype kinds: 0 = float32, 1 = float16, 2 = bfloat16 (int16 bits). Accumulation is always fp32.
+The SpMMs take `vkind`, the kind of `val` and `bias` when it is not x's: float32 values with
+float16 / bfloat16 activations (mixed precision: fp32 weights, half activations and outputs).
 """
 from __future__ import annotations
 
@@ -110,6 +112,11 @@ def _cv_bf16(f):
 
 _LOADERS = {0: _ld_f32, 1: _ld_f16, 2: _ld_bf16}
 _CONVERTERS = {0: _cv_f32, 1: _cv_f16, 2: _cv_bf16}
+
+
+def _vkind_suffix(kind: int, vkind) -> str:
+    """Kernel-name suffix for values of another kind than x's."""
+    return "" if vkind is None or vkind == kind else f"_v{KINDS[vkind]}"
 
 
 def _check_bt(bt: int) -> int:
@@ -230,8 +237,10 @@ def _make_load_step(ld, has_perm):
 
 
 @functools.lru_cache(maxsize=None)
-def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False, idx16: bool = False):
-    """Y[b, r] = sum_k val[k] X[b, idx[k]] (+ bias[r]) over the CSR rows r; see the module docstring.
+def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False, idx16: bool = False,
+                     vkind: Optional[int] = None):
+    """Y[b, r] = sum_k val[k] X[b, idx[k]] (+ bias[r]) over the CSR rows r; see the module docstring
+    (`vkind`: the kind of val and bias, None for x's).
 
     Signature: (x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch). `perm` is ignored (pass
     any int32 array) unless has_perm, `bias` (n_rows,) like x unless has_bias. Launch: grid
@@ -242,8 +251,9 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False,
     G = _check_bt(bt)
     BT = bt
     ld = _LOADERS[kind]
+    vld = _LOADERS[kind if vkind is None else vkind]
     cv = _CONVERTERS[kind]
-    load_step = _make_load_step(ld, has_perm)
+    load_step = _make_load_step(vld, has_perm)
     HAS_BIAS = has_bias
     stage = _make_stage(BT, ld)
 
@@ -303,14 +313,14 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False,
             b = b0 + j
             if g == 0 and b < batch:
                 if HAS_BIAS:
-                    acc += ld(bias, uint32(r))
+                    acc += vld(bias, uint32(r))
                 y[b * n_rows + r] = cv(acc)
             start = nstart
             end = nend
             r = rn
 
     spmm.__name__ = (f"snack_spmm_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
-                     f"{'_idx16' if idx16 else ''}")
+                     f"{'_idx16' if idx16 else ''}{_vkind_suffix(kind, vkind)}")
     return cuda.jit(spmm)
 
 
@@ -330,7 +340,7 @@ def _col_base(c, bt):
 
 
 def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False, idx16: bool = False,
-                         cols: bool = True):
+                         cols: bool = True, vkind: Optional[int] = None):
     """The tiled SpMM of make_spmm_kernel (same signature, launch and shared memory) for BT in
     {2, 4, 8}, with lanes that own their non-zeros: each lane keeps BT accumulators (one per
     batch column of the tile) and multiplies its own two non-zeros of a warp step by the BT
@@ -343,18 +353,20 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
     scalar reads per non-zero, nearly conflict-free when a row's consecutive non-zeros have
     nearby columns (dense-ish rows), like random ones otherwise.
     """
-    return _own_kernel(int(bt), int(kind), bool(has_perm), bool(has_bias), bool(idx16), bool(cols))
+    vkind = None if vkind is None or int(vkind) == int(kind) else int(vkind)
+    return _own_kernel(int(bt), int(kind), bool(has_perm), bool(has_bias), bool(idx16), bool(cols), vkind)
 
 
 @functools.lru_cache(maxsize=None)
-def _own_kernel(bt, kind, has_perm, has_bias, idx16, cols):
+def _own_kernel(bt, kind, has_perm, has_bias, idx16, cols, vkind=None):
     """make_spmm_own_kernel, cached on its arguments however they were passed."""
     if bt not in (2, 4, 8):
         raise ValueError(f"batch tile must be 2, 4 or 8, got {bt}")
     BT = bt
     ld = _LOADERS[kind]
+    vld = _LOADERS[kind if vkind is None else vkind]
     cv = _CONVERTERS[kind]
-    load_step = _make_load_step(ld, has_perm)
+    load_step = _make_load_step(vld, has_perm)
     HAS_BIAS = has_bias
     COLS = cols
     stage = _make_stage(BT, ld, cols)
@@ -462,14 +474,15 @@ def _own_kernel(bt, kind, has_perm, has_bias, idx16, cols):
             b = b0 + j
             if (lane & (OFF1 - 1)) == 0 and b < batch:
                 if HAS_BIAS:
-                    tot += ld(bias, uint32(r))
+                    tot += vld(bias, uint32(r))
                 y[b * n_rows + r] = cv(tot)
             start = nstart
             end = nend
             r = rn
 
     spmm.__name__ = (f"snack_spmm_own_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}"
-                     f"{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}{'' if cols else '_rowstaged'}")
+                     f"{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}{'' if cols else '_rowstaged'}"
+                     f"{_vkind_suffix(kind, vkind)}")
     return cuda.jit(spmm)
 
 
@@ -794,7 +807,7 @@ def _make_stage_quad(ld, plain=False):
 def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
                           rows4: bool = False, own: bool = False, threads: int = 1024, per_lane: int = 4,
-                          probe: int = 0):
+                          probe: int = 0, vkind: Optional[int] = None):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -841,7 +854,8 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     the kernel is compiled for: 64 registers at 1024, 128 at 512); `per_lane` (own): entries each
     lane takes per round (their loads in flight together, one round ahead).
     `probe` (timing decomposition only, results wrong): bits leave phases out, 1 the staging,
-    2 the rows, 4 the output flush, 8 the lane-owned products.
+    2 the rows, 4 the output flush, 8 the lane-owned products. `vkind`: the kind of val and
+    bias, None for x's (dv and db keep x's kind).
     """
     if own and (fused or rows4):
         raise ValueError("own is a variant of the plain SpMMs, without fused or rows4")
@@ -853,6 +867,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
         raise ValueError("rows4 is a variant of the plain SpMMs, not of the fused backward")
     ATOMIC, PARTS = _check_sums(sums)
     ld = _LOADERS[kind]
+    vld = _LOADERS[kind if vkind is None else vkind]
     cv = _CONVERTERS[kind]
     HAS_PERM = has_perm
     HAS_BIAS = has_bias
@@ -879,9 +894,9 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
         if k < end:
             c = int32(idx[uint32(k)])
             if HAS_PERM:
-                v = ld(val, uint32(perm[uint32(k)]))
+                v = vld(val, uint32(perm[uint32(k)]))
             else:
-                v = ld(val, uint32(k))
+                v = vld(val, uint32(k))
         return c, v
 
     def spmm_wide(x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw, rows_per_block,
@@ -1132,7 +1147,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
             while q < nr:
                 v = xs[uint32(ybase + q * 33 + col)]
                 if with_bias:
-                    v += ld(bias, uint32(r0 + q))
+                    v += vld(bias, uint32(r0 + q))
                 o = uint32((b0 + col) * int32(n_rows) + r0 + q)
                 if ATOMIC:
                     cuda.atomic.add(y, o, v)
@@ -1148,7 +1163,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
                           f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
                           f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}"
-                          f"{f'_probe{probe}' if probe else ''}")
+                          f"{f'_probe{probe}' if probe else ''}{_vkind_suffix(kind, vkind)}")
     return _jit(spmm_wide, launch_bounds=(threads,))
 
 

@@ -9,7 +9,10 @@
 W is the (out, in) matrix of `topo` (a snack.core.Topology on the same device, canonical
 row-major) with `values` (nnz,) in that order. x, dy, values: float32, float16 or bfloat16, one
 dtype per call, on one CUDA device (CPU tensors under the Numba simulator); results have the
-inputs' dtype, accumulated in fp32. Launches go to torch's current stream (graph-capturable).
+inputs' dtype, accumulated in fp32. Mixed precision: with float16 / bfloat16 x or dy, `values`
+(and `bias`) may be float32 in spmm, spmm_t and spmm_t_sddmm (`MIXED_VALUES`; fp32 weights read
+as they are, which `snack.sparse_linear` does under torch.autocast on the GPU); results keep x's
+or dy's dtype, dv and db included. Launches go to torch's current stream (graph-capturable).
 
 Variant choice: the batch tile BT is the smallest power of two >= B, at most 8; for BT = 4 and 8
 (and BT = 2 in the transposed SpMM, `LANE_OWNED_TILES`) each lane owns its non-zeros and keeps BT
@@ -55,9 +58,12 @@ from .launch import (BoundLaunch, as_kernel_array, device_properties, launch_mod
                      zero)
 
 __all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "choose_tile", "wide_chunks", "WIDE_FROM",
-           "WIDE_DENSITY"]
+           "WIDE_DENSITY", "MIXED_VALUES"]
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# The SpMMs (forward, transposed, fused backward) take float32 values and bias with float16 or
+# bfloat16 activations (see the module docstring).
+MIXED_VALUES = True
 _THREADS = 32 if launch_mode() == "sim" else 1024  # the simulator runs one OS thread per CUDA thread
 _SIM = launch_mode() == "sim"
 _GPU_ONLY = not _SIM  # the simulator takes CPU tensors
@@ -83,12 +89,14 @@ def _check_common(name: str, t, dev: torch.device):
 
 
 def _check_values(values, nnz: int, dtype, dev: torch.device):
+    """values (nnz,) on dev, of the dense operand's dtype or float32 with a half one (mixed)."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
     if values.dim() != 1 or values.shape[0] != nnz:
         raise ValueError(f"values must have shape ({nnz},), got {tuple(values.shape)}")
-    if values.dtype != dtype:
-        raise TypeError(f"values has dtype {values.dtype} but the dense operand has {dtype}")
+    if values.dtype != dtype and values.dtype != torch.float32:
+        raise TypeError(f"values has dtype {values.dtype} but the dense operand has {dtype} "
+                        "(values must have its dtype, or be float32 with a float16/bfloat16 operand)")
     _check_device("values", values, dev)
 
 
@@ -356,6 +364,12 @@ def _cached_plan(topo, key, build, *args):
     return plan
 
 
+def _kinds(kind: int):
+    """(x's kind, the values' kind or None when the same) from a plan's `kind`: 0-2 for one
+    dtype (float32, float16, bfloat16), 3 + x's kind for float32 values with half x."""
+    return (kind, None) if kind < 3 else (kind - 3, 0)
+
+
 def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias):
     """What the SpMM launch needs beyond the per-call tensors, cached on the topology per
     (order, batch, dtype, options, bias or not, `_sum_mode`): (BoundLaunch, how partial rows add
@@ -484,6 +498,7 @@ def _sddmm_column_staged(tile: int, topo: Topology) -> bool:
 
 
 def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias, mode):
+    kind, vkind = _kinds(kind)
     if transposed:
         n_rows, n_cols = topo.shape[1], topo.shape[0]
         ptr, idx, perm = topo.col_ptr, _rows_by_col(topo), _perm32(topo)
@@ -505,7 +520,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             sums = mode if nsplit > 1 else None
             kern = kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
                                                  own=own, threads=bound,
-                                                 per_lane=WIDE_OWN_PER_LANE, probe=WIDE_PROBE)
+                                                 per_lane=WIDE_OWN_PER_LANE, probe=WIDE_PROBE, vkind=vkind)
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
             return _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem,
                                 [_seg(topo, transposed, nch, cw), idx, third],
@@ -517,9 +532,9 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
     gy = _grid_rows(n_rows, ntiles, smem, device, threads)
     if tile in LANE_OWNED_TILES[transposed]:
         kern = kernels.make_spmm_own_kernel(tile, kind, perm is not None, has_bias, idx16,
-                                            _column_staged(tile, topo))
+                                            _column_staged(tile, topo), vkind)
     else:
-        kern = kernels.make_spmm_kernel(tile, kind, perm is not None, has_bias, idx16)
+        kern = kernels.make_spmm_kernel(tile, kind, perm is not None, has_bias, idx16, vkind)
     return _spmm_launch(kern, (ntiles, gy), threads, smem, [ptr, idx, third], [n_rows, n_cols, batch], None)
 
 
@@ -582,13 +597,15 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
     """Launches the SpMM (+ bias, added by the kernel) on the CSR order (transposed: the CSC
     order) of topo into y; dev is the tensors' device."""
     kind = _KIND[x.dtype]
+    if values.dtype != x.dtype:  # float32 values with half activations: kind + 3 (see _kinds)
+        kind += 3
     plan = _spmm_plan(topo, transposed, x.shape[0], kind, dev, bt, threads, wide, chunks, split, bias is not None)
     if plan is None:
         return False
     bound, sums = plan
     target = _partial_target(y, sums, bound.grid[0], dev)
     # without a bias, `values` stands in for the unread argument
-    if _SIM or (kind == 2 and _BF16_VIEWS):  # bfloat16 as int16 bits; 1-D numpy views under the simulator
+    if _SIM or (kind % 3 == 2 and _BF16_VIEWS):  # bfloat16 as int16 bits; 1-D numpy views under the simulator
         vals = as_kernel_array(values)
         bound([as_kernel_array(x), vals, as_kernel_array(target), vals if bias is None else as_kernel_array(bias)],
               dev)
@@ -610,12 +627,13 @@ def _batch_slices(batch: int, width: int):
 
 
 def _check_bias(bias, n_out: int, dtype, device):
+    """bias (n_out,) of `dtype`, the values' dtype."""
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
     if tuple(bias.shape) != (n_out,):
         raise ValueError(f"bias must have shape ({n_out},) (out_features), got {tuple(bias.shape)}")
     if bias.dtype != dtype:
-        raise TypeError(f"bias has dtype {bias.dtype} but the dense operand has {dtype}")
+        raise TypeError(f"bias has dtype {bias.dtype} but values have {dtype}")
     _check_device("bias", bias, device)
     return bias.contiguous()
 
@@ -634,7 +652,7 @@ def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, 
     nnz = topo.nnz
     _check_values(values, nnz, a.dtype, dev)
     if bias is not None:
-        bias = _check_bias(bias, n_res, a.dtype, dev)
+        bias = _check_bias(bias, n_res, values.dtype, dev)
     batch = a.shape[0]
     res = _check_out(out, (batch, n_res), a.dtype, dev)
     if out is not None:
@@ -880,7 +898,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     n_out, n_in = topo.shape
     _check_values(values, topo.nnz, dy.dtype, topo.device)
     batch = dy.shape[0]
-    kind = _KIND[dy.dtype]
+    kind = _KIND[dy.dtype] + (3 if values.dtype != dy.dtype else 0)  # (see _kinds)
     plan = None
     if fuses_backward(batch, topo, fused) and n_in > 0:
         mode = _sum_mode()
@@ -900,7 +918,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     target = _partial_target(dx, sums, bound.grid[0], dev)
     dv = torch.empty(topo.nnz, dtype=dy.dtype, device=dev)
     db = torch.empty(n_out, dtype=dy.dtype, device=dev) if bias_grad else dummy_array(dev, dy.dtype)
-    if not _SIM and (kind != 2 or not _BF16_VIEWS):
+    if not _SIM and (kind % 3 != 2 or not _BF16_VIEWS):
         bound([dy, values, target, x, dv, db], dev)
     else:
         bound([as_kernel_array(dy), as_kernel_array(values), as_kernel_array(target), as_kernel_array(x),
@@ -913,6 +931,7 @@ def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db
     """(BoundLaunch of the fused backward taking [dy, values, dX, x, dv, db] per call, how the
     chunk groups' partial rows of dX add up (as `_spmm_launch`)) or None when its chunks do not
     fit."""
+    kind, vkind = _kinds(kind)
     n_rows, n_cols = topo.shape[1], topo.shape[0]
     idx, perm = _rows_by_col(topo), _perm32(topo)
     wp = _wide_plan(n_rows, n_cols, batch, device, threads, chunks, split)
@@ -920,7 +939,8 @@ def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db
         return None
     nch, cw, cps, nsplit, gy, rpb, smem = wp
     sums = mode if nsplit > 1 else None
-    kern = kernels.make_spmm_wide_kernel(kind, True, sums, False, idx.dtype == torch.uint16, True, with_db)
+    kern = kernels.make_spmm_wide_kernel(kind, True, sums, False, idx.dtype == torch.uint16, True, with_db,
+                                         vkind=vkind)
     return BoundLaunch(kern, (nsplit, 1, gy), threads, smem,
                        [None, _seg(topo, True, nch, cw), idx, None, perm, None, _kind_dummy(device, kind),
                         None, None, None], [n_rows, n_cols, batch, nch, cw, rpb, cps]), sums

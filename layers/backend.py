@@ -165,7 +165,7 @@ def _ref_sddmm(dy, x, topo, out=None):
 
 _REFERENCE = SimpleNamespace(name="reference", spmm=_ref_spmm, spmm_t=_ref_spmm_t, sddmm=_ref_sddmm,
                              supports=lambda dtype: True, fused_bias=False, fused_bias_grad=False,
-                             fuses_backward=None, spmm_t_sddmm=None)
+                             fuses_backward=None, spmm_t_sddmm=None, mixed_values=False)
 _loaded = {}          # device type -> backend namespace, or _REFERENCE
 _forced: Optional[str] = None
 _warned = set()
@@ -199,7 +199,10 @@ def _wrap(mod, name):
     return SimpleNamespace(name=name, spmm=mod.spmm, spmm_t=mod.spmm_t, sddmm=mod.sddmm,
                            supports=supports, fused_bias=fused, fused_bias_grad=fused_db,
                            fuses_backward=getattr(mod, "fuses_backward", None),
-                           spmm_t_sddmm=getattr(mod, "spmm_t_sddmm", None))
+                           spmm_t_sddmm=getattr(mod, "spmm_t_sddmm", None),
+                           # spmm / spmm_t / spmm_t_sddmm take float32 values (and bias) with
+                           # float16 / bfloat16 activations
+                           mixed_values=bool(getattr(mod, "MIXED_VALUES", False)))
 
 
 def _load(device_type: str):

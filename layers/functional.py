@@ -20,7 +20,10 @@ code as custom ops with fake implementations and the same autograd formula), so 
 into one graph.
 Inputs of any leading shape are flattened to (B, in) (a copy only if they are not contiguous).
 Under torch.autocast the inputs are cast like nn.Linear's: to the autocast dtype (fp16/bf16) on
-CUDA; on CPU the math runs in float32 and the result is returned in the autocast dtype.
+CUDA; on CPU the math runs in float32 and the result is returned in the autocast dtype. On the GPU
+backend only x is cast: its kernels read float32 values and bias next to half activations, which
+saves two casts per call and multiplies by the unrounded weights (the output and dX are in the
+autocast dtype, the value and bias gradients float32, as with cast weights).
 Trade-off: the topology's validation happens when it is (re)built (see backend.get_topology),
 so a call with unchanged indices does no device work beyond the kernels and is CUDA-graph
 capturable; indices must therefore already be canonical row-major.
@@ -313,9 +316,12 @@ def _check_tensor(name: str, t, dims: Optional[int] = None) -> None:
         raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
 
 
-def _autocast_inputs(x, values, bias, dev: str):
+def _autocast_inputs(x, values, bias, dev: str, compiling: bool):
     """Casts like autocast does for nn.Linear (autocast is on for device type `dev`); returns
-    (x, values, bias, dtype to cast the result to or None)."""
+    (x, values, bias, dtype to cast the result to or None). On the GPU backend float32 values and
+    bias stay as they are (its kernels read them next to half activations: no cast per call, and
+    the products use the unrounded weights); the result and the gradients of x, values and bias
+    are as with cast weights (half-precision outputs, float32 gradients for float32 parameters)."""
     target = torch.get_autocast_dtype(dev)
     compute = target if dev == "cuda" else torch.float32
 
@@ -325,7 +331,13 @@ def _autocast_inputs(x, values, bias, dev: str):
         return t.to(compute)
     if x.dtype == torch.float64 or values.dtype == torch.float64:
         return x, values, bias, None  # autocast leaves float64 alone
-    return cast(x), cast(values), cast(bias), (target if dev == "cpu" else None)
+    x = cast(x)
+    if (dev == "cuda" and values.dtype == torch.float32 and x.dtype != torch.float32
+            and (bias is None or bias.dtype == torch.float32) and not compiling
+            and getattr(backend._backend(x), "mixed_values", False)
+            and forward_ad._current_level < 0 and _current_level() is None):  # _forward_mode, _in_functorch
+        return x, values, bias, None
+    return x, cast(values), cast(bias), (target if dev == "cpu" else None)
 
 
 # Function.apply binds the arguments to forward's signature (inspect.signature, ~5-20 us of host
@@ -482,14 +494,14 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
     dev_type = dev.type
     autocast = dev_type in ("cuda", "cpu") and torch.is_autocast_enabled(dev_type)
     result_dtype = None
-    if autocast:
-        x, values, bias, result_dtype = _autocast_inputs(x, values, bias, dev_type)
-    if values.dtype != x.dtype:
-        raise TypeError(f"x and values must have the same dtype, got x {x.dtype} and values {values.dtype}")
-    if bias is not None and bias.dtype != x.dtype:
-        raise TypeError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
-
     compiling = torch.compiler.is_compiling()
+    if autocast:
+        x, values, bias, result_dtype = _autocast_inputs(x, values, bias, dev_type, compiling)
+    if values.dtype != x.dtype and not autocast:  # (under autocast: float32 values on the GPU backend)
+        raise TypeError(f"x and values must have the same dtype, got x {x.dtype} and values {values.dtype}")
+    if bias is not None and bias.dtype != values.dtype:
+        raise TypeError(f"bias must have the dtype of x and values, {values.dtype}, got {bias.dtype}")
+
     try:
         topo = None if compiling else backend.get_topology(indices, (out_features, in_f))
     except RuntimeError:

@@ -305,3 +305,48 @@ def test_driver_memset_zeroes_on_the_current_stream():
     zero(h)
     assert bool((h == 0).all())
     zero(torch.empty(0, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,density", [(1, 0.1), (4, 0.1), (8, 0.1), (24, 0.1), (32, 0.1), (32, 0.01), (128, 0.05)])
+def test_float32_values_with_half_activations(B, density, dtype, gen):
+    # mixed precision (fp32 values and bias, half x and dy) in every SpMM variant: within the
+    # dtype's tolerance of float64 and no worse than the same op with the values rounded first;
+    # exact on a matrix whose values need fp32 (tests/gpu_sim/kernels_sim.py's `_ladder`)
+    import snack.gpu as G
+    from snack.core import COO
+    from snack.core.reference import spmm_reference, spmm_t_reference
+    n = 4096
+    coo = COO.random((n, n), density=density, generator=gen, device="cuda")
+    t, v = coo.topology, coo.values
+    bias = torch.randn(n, generator=gen).cuda()
+    x = torch.randn(B, n, generator=gen).to(dtype).cuda()
+    dy = torch.randn(B, n, generator=gen).to(dtype).cuda()
+    vd = v.double()
+    y_ref = spmm_reference(x.double(), t.indices, vd, n) + bias.double()
+    dx_ref = spmm_t_reference(dy.double(), t.indices, vd, n)
+
+    def rel(a, ref):
+        assert a.dtype == dtype and torch.isfinite(a).all()
+        return ((a.double() - ref).norm() / ref.norm()).item()
+    pairs = [(G.spmm(x, t, v, bias=bias), G.spmm(x, t, v.to(dtype), bias=bias.to(dtype)), y_ref),
+             (G.spmm_t(dy, t, v), G.spmm_t(dy, t, v.to(dtype)), dx_ref)]
+    if B <= 32:
+        pairs.append((G.spmm_t_sddmm(dy, x, t, v, fused=True)[0], G.spmm_t_sddmm(dy, x, t, v.to(dtype), fused=True)[0],
+                      dx_ref))
+    for i, (mixed, half, ref) in enumerate(pairs):
+        assert rel(mixed, ref) < TOL[dtype], i
+        assert rel(mixed, ref) <= rel(half, ref), i
+    # exact where rounding the values first would not be
+    r = torch.arange(n, dtype=torch.int32)
+    e = 2.0 ** (-10 if dtype == torch.bfloat16 else -13) * (1 + r % 7).float()
+    lad = COO(torch.cat([torch.stack([r, r]), torch.stack([r, (r + 1) % n])], 1),
+              torch.cat([1 + e, -torch.ones(n)]), (n, n)).to("cuda")
+    scale = torch.arange(1, B + 1, dtype=torch.float32, device="cuda")[:, None]
+    ones = (scale * torch.ones(B, n, device="cuda")).to(dtype)
+    e = e.cuda()
+    assert torch.equal(G.spmm(ones, lad.topology, lad.values).float(), scale * e)
+    assert torch.equal(G.spmm_t(ones, lad.topology, lad.values).float(), scale * e)
+    if B <= 32:
+        dxf = G.spmm_t_sddmm(ones, ones, lad.topology, lad.values, fused=True)[0]
+        assert torch.equal(dxf.float(), scale * e)

@@ -709,6 +709,39 @@ def test_cuda_autocast(dtype):
     assert_close_dtype(y, ref, dtype)
     y.float().sum().backward()
     assert layer.values.grad.dtype == torch.float32 and torch.isfinite(layer.values.grad).all()
+    assert layer.bias.grad.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B", [1, 8, 32])
+def test_cuda_autocast_reads_float32_values_unrounded(dtype, B):
+    # on the GPU backend only x is cast: W[r, r] = 1 + e_r, W[r, r + 1] = -1 with e_r exact in
+    # `dtype` but 1 + e_r not, and equal inputs, give outputs e_r * scale exactly (0 or a multiple
+    # of 2^-7 / 2^-10 with the values cast first); gradients as with cast weights
+    n = 512
+    r = torch.arange(n, dtype=torch.int32)
+    e = 2.0 ** (-10 if dtype == torch.bfloat16 else -13) * (1 + r % 7).float()
+    idx, vals, _ = snack.core.canonicalize(torch.cat([torch.stack([r, r]), torch.stack([r, (r + 1) % n])], 1),
+                                           (n, n), torch.cat([1 + e, -torch.ones(n)]))
+    idx, e = idx.cuda(), e.cuda()
+    vals = vals.cuda().requires_grad_()
+    bias = torch.zeros(n, device="cuda", requires_grad=True)
+    scale = torch.arange(1, B + 1, dtype=torch.float32, device="cuda")[:, None]
+    x = (scale * torch.ones(B, n, device="cuda")).requires_grad_()
+    with torch.autocast("cuda", dtype=dtype):
+        y = snack.functional.sparse_linear(x, idx, vals, n, bias)
+        with torch.no_grad():
+            y0 = snack.functional.sparse_linear(x, idx, vals, n, bias)
+    assert y.dtype == y0.dtype == dtype
+    assert torch.equal(y.float(), scale * e) and torch.equal(y0, y)
+    y.backward(torch.ones_like(y))
+    assert vals.grad.dtype == bias.grad.dtype == x.grad.dtype == torch.float32
+    rows, cols = idx.long()
+    torch.testing.assert_close(vals.grad, x.detach().sum(0)[cols])  # sum_b dY[b, r] X[b, c], dY = 1
+    torch.testing.assert_close(bias.grad, torch.full((n,), float(B), device="cuda"))
+    torch.testing.assert_close(x.grad, (e + 0 * scale).expand(B, n))  # dX = dY W: column c sums to e_c
 
 
 # ---- the CUDA kernels through the layer, under Numba's simulator (no GPU needed) -----------------

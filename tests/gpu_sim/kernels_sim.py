@@ -839,3 +839,53 @@ def test_nan_in_an_input_reaches_exactly_the_outputs_it_feeds(dtype, B, kw):
         assert torch.isnan(out[b, fed]).all()
         assert torch.isfinite(torch.cat([out[:b], out[b + 1:]])).all()
     assert torch.equal(torch.isnan(G.sddmm(dy, x, t, **kw)), (r == row) | (c == col))
+
+
+def _ladder(n: int, dtype):
+    """An (n, n) matrix with W[r, r] = 1 + e_r and W[r, r + 1 mod n] = -1 as float32 values,
+    where e_r is exact in `dtype` but 1 + e_r is not: with all-equal inputs every output of
+    Y = X W^T and of dX = dY W is a multiple of some e, exact in fp32, and 0 or a multiple of
+    2^-7 (bfloat16) / 2^-10 (float16) if the values were rounded to `dtype` first."""
+    r = torch.arange(n, dtype=torch.int32)
+    unit = 2.0 ** (-10 if dtype == torch.bfloat16 else -13)
+    e = unit * (1 + r % 7).float()
+    idx = torch.cat([torch.stack([r, r]), torch.stack([r, (r + 1) % n])], 1)
+    vals = torch.cat([1 + e, -torch.ones(n)])
+    return COO(idx, vals, (n, n)), e  # (canonicalized: sorted by row, then column)
+
+
+@pytest.mark.parametrize("dtype,B,kw", [(torch.bfloat16, 1, {}), (torch.bfloat16, 2, {}), (torch.float16, 3, {}),
+                                        (torch.bfloat16, 9, {}), (torch.bfloat16, 12, dict(wide=True, chunks=2)),
+                                        (torch.float16, 12, dict(wide=True, chunks=2)),
+                                        (torch.bfloat16, 33, dict(wide=True, chunks=1))])
+def test_float32_values_with_half_activations_are_read_unrounded(dtype, B, kw):
+    # mixed precision: float32 values (and bias) with float16 / bfloat16 x and dy, products and
+    # sums in fp32, outputs rounded once to x's dtype
+    n = 40
+    coo, e = _ladder(n, dtype)
+    t, v = coo.topology, coo.values
+    assert v.dtype == torch.float32
+    scale = torch.arange(1, B + 1, dtype=torch.float32)[:, None]
+    x = (scale * torch.ones(B, n)).to(dtype)
+    bias = 3 * e
+    y = torch.full((B, n), float("nan"), dtype=dtype)
+    G.spmm(x, t, v, out=y, bias=bias, **kw)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), (scale + 3) * e, rtol=0, atol=0)
+    # dX = dY W: column c holds 1 + e_c (row c) and -1 (row c - 1)
+    dx = G.spmm_t(x, t, v, **kw)
+    assert dx.dtype == dtype
+    torch.testing.assert_close(dx.float(), scale * e, rtol=0, atol=0)
+    if B <= 32:  # the fused backward: dX from the float32 values, dv and db in dy's dtype
+        dy, xf = x, torch.ones(B, n, dtype=dtype)
+        fkw = {k: a for k, a in kw.items() if k == "chunks"}
+        dx2, dv, db = G.spmm_t_sddmm(dy, xf, t, v, bias_grad=True, fused=True, **fkw)
+        torch.testing.assert_close(dx2.float(), scale * e, rtol=0, atol=0)
+        assert dv.dtype == db.dtype == dtype
+        want = scale.sum().to(dtype)  # sum_b dY[b, r] X[b, c] = sum_b (b + 1), rounded once
+        assert torch.equal(dv, want.expand(coo.nnz)) and torch.equal(db, want.expand(n))
+    # a float32 bias goes with float32 values only; half values with float32 x are refused
+    with pytest.raises(TypeError, match="bias has dtype"):
+        G.spmm(x, t, v, bias=bias.to(dtype))
+    with pytest.raises(TypeError, match="values has dtype"):
+        G.spmm(x.float(), t, v.to(dtype))
