@@ -350,6 +350,28 @@ def test_autocast_cpu_bf16():
                                atol=1e-4, rtol=1e-4)
 
 
+def test_autocast_on_a_backend_with_mixed_values_casts_only_x(monkeypatch):
+    # on CUDA, a backend whose kernels read float32 values next to half activations (the GPU
+    # backend: `mixed_values`) gets x cast and the values and bias as they are; any other backend,
+    # half values, or a compiled trace get everything cast (the selection, without a GPU)
+    from types import SimpleNamespace
+    from snack.layers.functional import _autocast_inputs
+    x, v, b = torch.randn(3, 5), torch.randn(7), torch.randn(4)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda dev: torch.bfloat16)
+    monkeypatch.setattr(backend, "_backend", lambda t: SimpleNamespace(mixed_values=True))
+    xc, vc, bc, res = _autocast_inputs(x, v, b, "cuda", False)
+    assert xc.dtype == torch.bfloat16 and vc is v and bc is b and res is None
+    for args in ((x, v.half(), b, "cuda", False), (x, v, b, "cuda", True), (x, v, b.half(), "cuda", False)):
+        xc, vc, bc, _ = _autocast_inputs(*args)
+        assert xc.dtype == vc.dtype == bc.dtype == torch.bfloat16, args[1:]
+    monkeypatch.setattr(backend, "_backend", lambda t: SimpleNamespace(mixed_values=False))
+    xc, vc, bc, _ = _autocast_inputs(x, v, None, "cuda", False)
+    assert xc.dtype == vc.dtype == torch.bfloat16 and bc is None
+    # on the CPU the math runs in float32 and the result is cast back
+    xc, vc, bc, res = _autocast_inputs(x.bfloat16(), v, b, "cpu", False)
+    assert xc.dtype == vc.dtype == bc.dtype == torch.float32 and res == torch.bfloat16
+
+
 # ---- nothing of the dense weight's size ------------------------------------------------------------
 
 
