@@ -236,7 +236,11 @@ def _make_load_step(ld, has_perm):
     return load_step
 
 
-@functools.lru_cache(maxsize=None)
+def _vkind(kind, vkind):
+    """vkind as the cached factories take it: None when it is x's kind."""
+    return None if vkind is None or int(vkind) == int(kind) else int(vkind)
+
+
 def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False, idx16: bool = False,
                      vkind: Optional[int] = None):
     """Y[b, r] = sum_k val[k] X[b, idx[k]] (+ bias[r]) over the CSR rows r; see the module docstring
@@ -248,6 +252,12 @@ def make_spmm_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = False,
     bt * (n_cols | 1) * 4 bytes.
     Each warp step takes 64 non-zeros (two per lane) and loads the next 64 before using them.
     """
+    return _spmm_kernel(int(bt), int(kind), bool(has_perm), bool(has_bias), bool(idx16), _vkind(kind, vkind))
+
+
+@functools.lru_cache(maxsize=None)
+def _spmm_kernel(bt, kind, has_perm, has_bias, idx16, vkind):
+    """make_spmm_kernel, cached on its arguments however they were passed."""
     G = _check_bt(bt)
     BT = bt
     ld = _LOADERS[kind]
@@ -353,8 +363,8 @@ def make_spmm_own_kernel(bt: int, kind: int, has_perm: bool, has_bias: bool = Fa
     scalar reads per non-zero, nearly conflict-free when a row's consecutive non-zeros have
     nearby columns (dense-ish rows), like random ones otherwise.
     """
-    vkind = None if vkind is None or int(vkind) == int(kind) else int(vkind)
-    return _own_kernel(int(bt), int(kind), bool(has_perm), bool(has_bias), bool(idx16), bool(cols), vkind)
+    return _own_kernel(int(bt), int(kind), bool(has_perm), bool(has_bias), bool(idx16), bool(cols),
+                       _vkind(kind, vkind))
 
 
 @functools.lru_cache(maxsize=None)
@@ -803,7 +813,6 @@ def _make_stage_quad(ld, plain=False):
     return stage
 
 
-@functools.lru_cache(maxsize=None)
 def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
                           rows4: bool = False, own: bool = False, threads: int = 1024, per_lane: int = 4,
@@ -857,6 +866,15 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     2 the rows, 4 the output flush, 8 the lane-owned products. `vkind`: the kind of val and
     bias, None for x's (dv and db keep x's kind).
     """
+    return _spmm_wide_kernel(int(kind), bool(has_perm), sums, bool(has_bias), bool(idx16), bool(fused),
+                             bool(with_db), bool(rows4), bool(own), int(threads), int(per_lane), int(probe),
+                             _vkind(kind, vkind))
+
+
+@functools.lru_cache(maxsize=None)
+def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, rows4, own, threads, per_lane,
+                      probe, vkind):
+    """make_spmm_wide_kernel, cached on its arguments however they were passed."""
     if own and (fused or rows4):
         raise ValueError("own is a variant of the plain SpMMs, without fused or rows4")
     if fused and (not has_perm or has_bias):
