@@ -215,3 +215,17 @@ def test_wide_spmm_row_mode_by_default_and_by_wide_mode(h200, monkeypatch, mode,
         with ops.wide_mode("rows8"):
             pass
     assert (ops.WIDE_OWN, ops.WIDE_ROWS4_BELOW, ops.SDDMM_ROWS4) == saved
+
+
+def test_kernel_factories_give_one_dispatcher_however_the_values_kind_is_passed():
+    # the factories are cached on normalized arguments: vkind absent, None or x's own kind is one
+    # kernel (compiled once), float32 values with bfloat16 x another
+    from snack.gpu import kernels as K
+    a = K.make_spmm_kernel(4, 2, False)
+    assert a is K.make_spmm_kernel(4, 2, False, False, False, None) is K.make_spmm_kernel(4, 2, False, vkind=2)
+    assert K.make_spmm_kernel(4, 2, False, vkind=0) is not a
+    w = K.make_spmm_wide_kernel(2, True, "atomic")
+    assert w is K.make_spmm_wide_kernel(2, True, "atomic", False, vkind=2) is K.make_spmm_wide_kernel(2, 1, "atomic")
+    assert K.make_spmm_wide_kernel(2, True, "atomic", vkind=0).py_func.__name__.endswith("_vfloat32")
+    o = K.make_spmm_own_kernel(8, 1, False)
+    assert o is K.make_spmm_own_kernel(8, 1, False, vkind=1) and K.make_spmm_own_kernel(8, 1, False, vkind=0) is not o
