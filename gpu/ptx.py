@@ -87,6 +87,27 @@ def variants():
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "uint16", el, "int32", "float32" if sums else el, el,
                                       el, el, el], 7)))
+        if kind:  # mixed precision: float32 values (and bias) with half x / dy, in the three SpMMs
+            for perm, bias in ((False, False), (True, False), (False, True)):
+                vb = "float32"  # the bias argument (the values stand in for it without a bias)
+                for bt in (1, 2, 4, 8):
+                    makes = [kernels.make_spmm_kernel] + ([kernels.make_spmm_own_kernel] if bt > 1 else [])
+                    for make in makes:
+                        d = make(bt, kind, perm, bias, vkind=0)
+                        out.append((d.py_func.__name__, d, _sig([el, "int32", "int32", "float32", "int32", el, vb], 3)))
+                for sums in (None, "atomic"):
+                    for rows4, own in _WIDE_MODES:
+                        d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own,
+                                                          threads=_threads(own), per_lane=_per_lane(), vkind=0)
+                        out.append((d.py_func.__name__, d,
+                                    _sig([el, "int32", "int32", "float32", "int32", "float32" if sums else el, vb,
+                                          el, el, el], 7)))
+            for sums in (None, "atomic"):
+                for with_db in (False, True):
+                    d = kernels.make_spmm_wide_kernel(kind, True, sums, False, False, True, with_db, vkind=0)
+                    out.append((d.py_func.__name__, d,
+                                _sig([el, "int32", "int32", "float32", "int32", "float32" if sums else el, el, el, el,
+                                      el], 7)))
         for with_db in (False, True):
             for rows4 in (False, True):
                 for sums in SUMS:
