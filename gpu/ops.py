@@ -680,8 +680,8 @@ def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, 
 def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
          *, bias: Optional[torch.Tensor] = None, bt: Optional[int] = None, threads: int = _THREADS,
          wide: Optional[bool] = None, chunks: Optional[int] = None, split: Optional[int] = None) -> torch.Tensor:
-    """Y (B, out_features) = X W^T (+ bias, (out_features,) of x's dtype, added by the kernel when
-    it writes Y) on the GPU; see the module docstring."""
+    """Y (B, out_features) = X W^T (+ bias, (out_features,) of the values' dtype, added by the kernel
+    when it writes Y) on the GPU; see the module docstring."""
     return _spmm_op("x", x, topo, values, out, False, bt, threads, wide, chunks, split, bias)
 
 
