@@ -39,13 +39,15 @@ def _run_ops(G, x, dy, t, v, bias, B, tiled, opts, dt, refs):
     return worst
 
 
-def main(sums=("atomic", "parts"), tiled=False, own=False, staging=False):
+def main(sums=("atomic", "parts"), tiled=False, own=False, staging=False, mixed=False):
     """sums: the ways of adding the wide kernels' partial results to run (ops.PARTIAL_SUMS);
     tiled: only the batch-tiled kernels (every op forced off the 32-wide ones, no fused backward),
     a shorter run; own: only the lane-owned wide SpMMs (ops.WIDE_OWN), a shorter run; staging:
     only shapes with full 32-row batch tiles and runs of 32 columns (the wide kernels' staging a
-    128-byte line per load, and its leftovers), float32 and float16, a shorter run. Prints one
-    line per shape as it goes (a sanitizer run cut short still shows how far it got)."""
+    128-byte line per load, and its leftovers), float32 and float16, a shorter run; mixed:
+    float32 values and bias with float16 / bfloat16 x and dy (the mixed-precision variants of the
+    SpMMs), every variant. Prints one line per shape as it goes (a sanitizer run cut short still
+    shows how far it got)."""
     import snack.gpu as G
     from snack.core import COO
     from snack.gpu import ops
@@ -60,12 +62,15 @@ def main(sums=("atomic", "parts"), tiled=False, own=False, staging=False):
     for n, (mode, (o, i, B, d)) in enumerate(runs):
         print(f"[{n + 1}/{len(runs)}] sums={mode} W {o} x {i}, B = {B}, density {d}", flush=True)
         ops.PARTIAL_SUMS = mode
-        for dt in (torch.float32, torch.float16) if staging else (torch.float32, torch.float16, torch.bfloat16):
-            coo = COO.random((o, i), density=d, seed=o + i, device="cuda", dtype=dt)
+        dts = ((torch.float16, torch.bfloat16) if mixed else (torch.float32, torch.float16) if staging
+               else (torch.float32, torch.float16, torch.bfloat16))
+        for dt in dts:
+            vdt = torch.float32 if mixed else dt  # the values' and the bias's dtype
+            coo = COO.random((o, i), density=d, seed=o + i, device="cuda", dtype=vdt)
             x = torch.randn(B, i, device="cuda", dtype=dt)
             dy = torch.randn(B, o, device="cuda", dtype=dt)
             t, v = coo.topology, coo.values
-            bias = torch.randn(o, device="cuda", dtype=dt)
+            bias = torch.randn(o, device="cuda", dtype=vdt)
             yref = spmm_reference(x.double(), t.indices, v.double(), o)
             ybref = yref + bias.double()
             dxref = spmm_t_reference(dy.double(), t.indices, v.double(), i)
@@ -130,11 +135,14 @@ def cli(argv=None):
     ap.add_argument("--staging", action="store_true",
                     help="only shapes with full 32-row batch tiles and runs of 32 columns (the wide "
                          "kernels' line-at-a-time staging), float32 and float16: a shorter run")
+    ap.add_argument("--mixed", action="store_true",
+                    help="float32 values and bias with float16 / bfloat16 activations (the SpMMs' "
+                         "mixed-precision variants), every variant")
     a = ap.parse_args(argv)
-    if a.tiled + a.own + a.staging > 1:
-        ap.error("give at most one of --tiled, --own, --staging")
+    if a.tiled + a.own + a.staging + a.mixed > 1:
+        ap.error("give at most one of --tiled, --own, --staging, --mixed")
     require_gpu("sanitize_kernels.py", triton=False)
-    main(tuple(a.sums), a.tiled, a.own, a.staging)
+    main(tuple(a.sums), a.tiled, a.own, a.staging, a.mixed)
 
 
 if __name__ == "__main__":

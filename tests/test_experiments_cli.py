@@ -177,6 +177,7 @@ def test_gpu_scripts_check_their_options_first(capsys):
     from experiments import profile_launch, sanitize_kernels
     assert "--cprofile applies" in _usage_error(capsys, profile_launch.main, ["--cprofile"])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--tiled", "--own"])
+    assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--mixed", "--staging"])
 
 
 # ---- missing inputs ----------------------------------------------------------------------------
