@@ -114,9 +114,9 @@ _LOADERS = {0: _ld_f32, 1: _ld_f16, 2: _ld_bf16}
 _CONVERTERS = {0: _cv_f32, 1: _cv_f16, 2: _cv_bf16}
 
 
-def _vkind_suffix(kind: int, vkind) -> str:
-    """Kernel-name suffix for values of another kind than x's."""
-    return "" if vkind is None or vkind == kind else f"_v{KINDS[vkind]}"
+def _vkind_suffix(vkind) -> str:
+    """Kernel-name suffix for values of another kind than x's (vkind normalized by `_vkind`)."""
+    return "" if vkind is None else f"_v{KINDS[vkind]}"
 
 
 def _check_bt(bt: int) -> int:
@@ -330,7 +330,7 @@ def _spmm_kernel(bt, kind, has_perm, has_bias, idx16, vkind):
             r = rn
 
     spmm.__name__ = (f"snack_spmm_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
-                     f"{'_idx16' if idx16 else ''}{_vkind_suffix(kind, vkind)}")
+                     f"{'_idx16' if idx16 else ''}{_vkind_suffix(vkind)}")
     return cuda.jit(spmm)
 
 
@@ -492,7 +492,7 @@ def _own_kernel(bt, kind, has_perm, has_bias, idx16, cols, vkind=None):
 
     spmm.__name__ = (f"snack_spmm_own_bt{bt}_{KINDS[kind]}{'_perm' if has_perm else ''}"
                      f"{'_bias' if has_bias else ''}{'_idx16' if idx16 else ''}{'' if cols else '_rowstaged'}"
-                     f"{_vkind_suffix(kind, vkind)}")
+                     f"{_vkind_suffix(vkind)}")
     return cuda.jit(spmm)
 
 
@@ -1181,7 +1181,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
                           f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
                           f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}"
-                          f"{f'_probe{probe}' if probe else ''}{_vkind_suffix(kind, vkind)}")
+                          f"{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
     return _jit(spmm_wide, launch_bounds=(threads,))
 
 

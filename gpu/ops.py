@@ -364,9 +364,14 @@ def _cached_plan(topo, key, build, *args):
     return plan
 
 
+def _plan_kind(dtype, values_dtype) -> int:
+    """A plan's `kind`: 0-2 for one dtype (float32, float16, bfloat16), 3 + the activations'
+    kind for float32 values with half activations (see `_kinds`)."""
+    return _KIND[dtype] + (3 if values_dtype != dtype else 0)
+
+
 def _kinds(kind: int):
-    """(x's kind, the values' kind or None when the same) from a plan's `kind`: 0-2 for one
-    dtype (float32, float16, bfloat16), 3 + x's kind for float32 values with half x."""
+    """(x's kind, the values' kind or None when the same) from a plan's `kind` (`_plan_kind`)."""
     return (kind, None) if kind < 3 else (kind - 3, 0)
 
 
@@ -596,9 +601,7 @@ def _finish_partial(y, target, sums) -> None:
 def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, split, dev):
     """Launches the SpMM (+ bias, added by the kernel) on the CSR order (transposed: the CSC
     order) of topo into y; dev is the tensors' device."""
-    kind = _KIND[x.dtype]
-    if values.dtype != x.dtype:  # float32 values with half activations: kind + 3 (see _kinds)
-        kind += 3
+    kind = _plan_kind(x.dtype, values.dtype)
     plan = _spmm_plan(topo, transposed, x.shape[0], kind, dev, bt, threads, wide, chunks, split, bias is not None)
     if plan is None:
         return False
@@ -898,7 +901,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     n_out, n_in = topo.shape
     _check_values(values, topo.nnz, dy.dtype, topo.device)
     batch = dy.shape[0]
-    kind = _KIND[dy.dtype] + (3 if values.dtype != dy.dtype else 0)  # (see _kinds)
+    kind = _plan_kind(dy.dtype, values.dtype)
     plan = None
     if fuses_backward(batch, topo, fused) and n_in > 0:
         mode = _sum_mode()

@@ -335,7 +335,7 @@ def _autocast_inputs(x, values, bias, dev: str, compiling: bool):
     if (dev == "cuda" and values.dtype == torch.float32 and x.dtype != torch.float32
             and (bias is None or bias.dtype == torch.float32) and not compiling
             and getattr(backend._backend(x), "mixed_values", False)
-            and forward_ad._current_level < 0 and _current_level() is None):  # _forward_mode, _in_functorch
+            and not _forward_mode() and not _in_functorch()):
         return x, values, bias, None
     return x, cast(values), cast(bias), (target if dev == "cpu" else None)
 
