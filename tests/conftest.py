@@ -43,6 +43,20 @@ def tolerance(dtype: torch.dtype):
     return TOLERANCES[dtype]
 
 
+def ladder(n: int, dtype: torch.dtype):
+    """(indices (2, 2n) int32 canonical, float32 values, e) of the (n, n) matrix with
+    W[r, r] = 1 + e_r and W[r, r + 1 mod n] = -1, where e_r is exact in `dtype` (float16 or
+    bfloat16) but 1 + e_r is not: with all-equal inputs every output of Y = X W^T and of
+    dX = dY W is a multiple of some e, exact in fp32, and 0 or a multiple of 2^-7 (bfloat16) /
+    2^-10 (float16) if the values were rounded to `dtype` first (mixed-precision tests)."""
+    from snack.core import canonicalize
+    r = torch.arange(n, dtype=torch.int32)
+    e = 2.0 ** (-10 if dtype == torch.bfloat16 else -13) * (1 + r % 7).float()
+    idx, vals, _ = canonicalize(torch.cat([torch.stack([r, r]), torch.stack([r, (r + 1) % n])], 1), (n, n),
+                                torch.cat([1 + e, -torch.ones(n)]))
+    return idx, vals, e
+
+
 def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = None, **kw):
     """assert_close with the tolerance of `dtype` (default: actual's dtype), compared in float64."""
     rtol, atol = tolerance(dtype or actual.dtype)

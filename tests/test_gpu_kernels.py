@@ -4,6 +4,8 @@ grid), outputs poisoned with NaN first; CUDA-graph capture and replay; bad input
 import pytest
 import torch
 
+from conftest import ladder
+
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -312,7 +314,7 @@ def test_driver_memset_zeroes_on_the_current_stream():
 def test_float32_values_with_half_activations(B, density, dtype, gen):
     # mixed precision (fp32 values and bias, half x and dy) in every SpMM variant: within the
     # dtype's tolerance of float64 and no worse than the same op with the values rounded first;
-    # exact on a matrix whose values need fp32 (tests/gpu_sim/kernels_sim.py's `_ladder`)
+    # exact on a matrix whose values need fp32 (conftest's `ladder`)
     import snack.gpu as G
     from snack.core import COO
     from snack.core.reference import spmm_reference, spmm_t_reference
@@ -337,11 +339,9 @@ def test_float32_values_with_half_activations(B, density, dtype, gen):
     for i, (mixed, half, ref) in enumerate(pairs):
         assert rel(mixed, ref) < TOL[dtype], i
         assert rel(mixed, ref) <= rel(half, ref), i
-    # exact where rounding the values first would not be
-    r = torch.arange(n, dtype=torch.int32)
-    e = 2.0 ** (-10 if dtype == torch.bfloat16 else -13) * (1 + r % 7).float()
-    lad = COO(torch.cat([torch.stack([r, r]), torch.stack([r, (r + 1) % n])], 1),
-              torch.cat([1 + e, -torch.ones(n)]), (n, n)).to("cuda")
+    # exact where rounding the values first would not be (conftest's `ladder`)
+    idx, vals, e = ladder(n, dtype)
+    lad = COO(idx, vals, (n, n)).to("cuda")
     scale = torch.arange(1, B + 1, dtype=torch.float32, device="cuda")[:, None]
     ones = (scale * torch.ones(B, n, device="cuda")).to(dtype)
     want = (scale * e.cuda()).to(dtype)  # exact in fp32, rounded once

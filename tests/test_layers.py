@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import snack
 from snack import SparseLinear
 
-from conftest import assert_close_dtype, tolerance
+from conftest import assert_close_dtype, ladder, tolerance
 from snack.layers.functional import settle_autograd
 
 F64_ATOL = tolerance(torch.float64)[1]
@@ -721,10 +721,7 @@ def test_cuda_autocast_reads_float32_values_unrounded(dtype, B):
     # `dtype` but 1 + e_r not, and equal inputs, give outputs e_r * scale exactly (0 or a multiple
     # of 2^-7 / 2^-10 with the values cast first); gradients as with cast weights
     n = 512
-    r = torch.arange(n, dtype=torch.int32)
-    e = 2.0 ** (-10 if dtype == torch.bfloat16 else -13) * (1 + r % 7).float()
-    idx, vals, _ = snack.core.canonicalize(torch.cat([torch.stack([r, r]), torch.stack([r, (r + 1) % n])], 1),
-                                           (n, n), torch.cat([1 + e, -torch.ones(n)]))
+    idx, vals, e = ladder(n, dtype)
     idx, e = idx.cuda(), e.cuda()
     vals = vals.cuda().requires_grad_()
     bias = torch.zeros(n, device="cuda", requires_grad=True)

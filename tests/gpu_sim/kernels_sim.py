@@ -16,6 +16,8 @@ from snack.core import COO
 from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
 from snack.gpu.kernels import _cv_bf16
 
+from conftest import ladder
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
@@ -841,19 +843,6 @@ def test_nan_in_an_input_reaches_exactly_the_outputs_it_feeds(dtype, B, kw):
     assert torch.equal(torch.isnan(G.sddmm(dy, x, t, **kw)), (r == row) | (c == col))
 
 
-def _ladder(n: int, dtype):
-    """An (n, n) matrix with W[r, r] = 1 + e_r and W[r, r + 1 mod n] = -1 as float32 values,
-    where e_r is exact in `dtype` but 1 + e_r is not: with all-equal inputs every output of
-    Y = X W^T and of dX = dY W is a multiple of some e, exact in fp32, and 0 or a multiple of
-    2^-7 (bfloat16) / 2^-10 (float16) if the values were rounded to `dtype` first."""
-    r = torch.arange(n, dtype=torch.int32)
-    unit = 2.0 ** (-10 if dtype == torch.bfloat16 else -13)
-    e = unit * (1 + r % 7).float()
-    idx = torch.cat([torch.stack([r, r]), torch.stack([r, (r + 1) % n])], 1)
-    vals = torch.cat([1 + e, -torch.ones(n)])
-    return COO(idx, vals, (n, n)), e  # (canonicalized: sorted by row, then column)
-
-
 @pytest.mark.parametrize("dtype,B,kw", [(torch.bfloat16, 1, {}), (torch.bfloat16, 2, {}), (torch.float16, 3, {}),
                                         (torch.bfloat16, 9, {}), (torch.bfloat16, 12, dict(wide=True, chunks=2)),
                                         (torch.float16, 12, dict(wide=True, chunks=2)),
@@ -862,7 +851,8 @@ def test_float32_values_with_half_activations_are_read_unrounded(dtype, B, kw):
     # mixed precision: float32 values (and bias) with float16 / bfloat16 x and dy, products and
     # sums in fp32, outputs rounded once to x's dtype
     n = 40
-    coo, e = _ladder(n, dtype)
+    idx, vals, e = ladder(n, dtype)  # (conftest)
+    coo = COO(idx, vals, (n, n))
     t, v = coo.topology, coo.values
     assert v.dtype == torch.float32
     scale = torch.arange(1, B + 1, dtype=torch.float32)[:, None]
