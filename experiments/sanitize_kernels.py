@@ -39,8 +39,10 @@ def _run_ops(G, x, dy, t, v, bias, B, tiled, opts, dt, refs):
     return worst
 
 
-def main(sums=("atomic", "parts"), tiled=False, own=False, staging=False, mixed=False):
-    """sums: the ways of adding the wide kernels' partial results to run (ops.PARTIAL_SUMS);
+def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=False, mixed=False):
+    """sums: the ways of adding the wide kernels' partial results to run ("atomic" and "parts":
+    ops.PARTIAL_SUMS with ops.CLUSTER_SUMS off; "cluster": the SpMMs' chunk groups through
+    thread-block clusters, ops.CLUSTER_SUMS = True);
     tiled: only the batch-tiled kernels (every op forced off the 32-wide ones, no fused backward),
     a shorter run; own: only the lane-owned wide SpMMs (ops.WIDE_OWN), a shorter run; staging:
     only shapes with full 32-row batch tiles and runs of 32 columns (the wide kernels' staging a
@@ -51,7 +53,7 @@ def main(sums=("atomic", "parts"), tiled=False, own=False, staging=False, mixed=
     import snack.gpu as G
     from snack.core import COO
     from snack.gpu import ops
-    partial_sums = ops.PARTIAL_SUMS
+    partial_sums, cluster_sums = ops.PARTIAL_SUMS, ops.CLUSTER_SUMS
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
     shapes = [(37, 53, 1, 0.3), (23, 41, 2, 0.2), (64, 29, 3, 0.2), (19, 77, 9, 0.5),
@@ -61,7 +63,8 @@ def main(sums=("atomic", "parts"), tiled=False, own=False, staging=False, mixed=
     runs = [(mode, shape) for mode in (sums[:1] if tiled else sums) for shape in shapes]
     for n, (mode, (o, i, B, d)) in enumerate(runs):
         print(f"[{n + 1}/{len(runs)}] sums={mode} W {o} x {i}, B = {B}, density {d}", flush=True)
-        ops.PARTIAL_SUMS = mode
+        ops.PARTIAL_SUMS = "atomic" if mode == "cluster" else mode
+        ops.CLUSTER_SUMS = mode == "cluster"
         dts = ((torch.float16, torch.bfloat16) if mixed else (torch.float32, torch.float16) if staging
                else (torch.float32, torch.float16, torch.bfloat16))
         for dt in dts:
@@ -75,21 +78,23 @@ def main(sums=("atomic", "parts"), tiled=False, own=False, staging=False, mixed=
             ybref = yref + bias.double()
             dxref = spmm_t_reference(dy.double(), t.indices, v.double(), i)
             dvref = sddmm_reference(dy.double(), x.double(), t.indices)
-            # the default variant, then the 32-wide kernels forced (one chunk per block with
-            # atomics, and one block looping over small chunks) with a warp per row, with a
-            # row per group of 8 lanes and (the SpMMs) with lane-owned non-zeros; the forward
-            # with and without bias
-            owned = ({"wide": True, "mode": "own"}, {"wide": True, "chunks": 3, "split": 1, "mode": "own"})
+            # the default variant, then the 32-wide kernels forced (the columns in one chunk,
+            # one block looping over small chunks, and three chunks on three blocks adding up
+            # as `mode` says) with a warp per row, with a row per group of 8 lanes and (the
+            # SpMMs) with lane-owned non-zeros; the forward with and without bias
+            owned = ({"wide": True, "mode": "own"}, {"wide": True, "chunks": 3, "split": 1, "mode": "own"},
+                     {"wide": True, "chunks": 3, "mode": "own"})
             wide = ({"wide": True, "mode": "warp"}, {"wide": True, "mode": "rows4"},
                     {"wide": True, "chunks": 3, "split": 1, "mode": "warp"},
-                    {"wide": True, "chunks": 3, "split": 1, "mode": "rows4"}) + owned
+                    {"wide": True, "chunks": 3, "split": 1, "mode": "rows4"},
+                    {"wide": True, "chunks": 3, "mode": "warp"}, {"wide": True, "chunks": 3, "mode": "rows4"}) + owned
             variants = ({"wide": False},) if tiled else owned if own else wide if staging else ({},) + wide
             for opts in variants:
                 opts = dict(opts)
                 with ops.wide_mode(opts.pop("mode", "auto"), sddmm=True):
                     worst = max(worst, _run_ops(G, x, dy, t, v, bias, B, tiled, opts, dt,
                                                 (yref, ybref, dxref, dvref)))
-    ops.PARTIAL_SUMS = partial_sums
+    ops.PARTIAL_SUMS, ops.CLUSTER_SUMS = partial_sums, cluster_sums
     # the fused Adam step (AdamW's decay too) against torch's, several grid-stride rounds
     for cls in (torch.optim.Adam, torch.optim.AdamW):
         p = torch.randn(300_001, device="cuda")
@@ -126,8 +131,9 @@ def main(sums=("atomic", "parts"), tiled=False, own=False, staging=False, mixed=
 def cli(argv=None):
     """The command line: the options checked, then the machine (one line when it has no CUDA GPU), then main()."""
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--sums", nargs="+", choices=["atomic", "parts"], default=["atomic", "parts"],
-                    help="how the wide kernels add partial results (snack.gpu.ops.PARTIAL_SUMS); default both")
+    ap.add_argument("--sums", nargs="+", choices=["atomic", "parts", "cluster"], default=["atomic", "parts", "cluster"],
+                    help="how the wide kernels add partial results (snack.gpu.ops.PARTIAL_SUMS with CLUSTER_SUMS off, "
+                         "or the SpMMs' thread-block clusters); default all three")
     ap.add_argument("--tiled", action="store_true",
                     help="only the batch-tiled kernels (and Adam): a shorter run for the sanitizers")
     ap.add_argument("--own", action="store_true",

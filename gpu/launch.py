@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 __all__ = ["launch_mode", "launch", "BoundLaunch", "zero", "as_kernel_array", "device_properties",
-           "build_persistent"]
+           "build_persistent", "clusters_supported", "max_active_clusters"]
 
 _SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 _lock = threading.Lock()
@@ -144,6 +144,7 @@ class _DriverKernel:
             err, self.max_threads = driver.cuFuncGetAttribute(mt, handle)
         if err != driver.CUresult.CUDA_SUCCESS:
             self.max_threads = 256
+        self.handle = handle
         self.fn = int(handle)
         self._launch = _libcuda_launch()
         self.lock = threading.Lock()
@@ -225,6 +226,90 @@ def _libcuda_launch():
         f.restype = ctypes.c_int
         _libcuda = f
     return _libcuda
+
+
+# Thread-block clusters (compute capability >= 9.0): a launch through cuLaunchKernelEx with the
+# cluster-dimension attribute, from a config struct built once per launch configuration.
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+
+
+def _cluster_structs():
+    import ctypes
+
+    class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad, 64-byte value union
+        _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("x", ctypes.c_uint),
+                    ("y", ctypes.c_uint), ("z", ctypes.c_uint), ("rest", ctypes.c_char * 52)]
+
+    class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint),
+                    ("bx", ctypes.c_uint), ("by", ctypes.c_uint), ("bz", ctypes.c_uint),
+                    ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                    ("attrs", ctypes.POINTER(LaunchAttribute)), ("n_attrs", ctypes.c_uint)]
+    return LaunchAttribute, LaunchConfig
+
+
+_launch_ex = None
+
+
+def _cluster_launch(grid, block: int, smem: int, cluster: int):
+    """A launch function with cuLaunchKernel's arguments that launches through cuLaunchKernelEx
+    with thread-block clusters of `cluster` blocks along x, for this grid, block and shared
+    memory (fixed when it is made); a call writes only the stream into the config."""
+    import ctypes
+    global _launch_ex
+    if _launch_ex is None:
+        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        f.restype = ctypes.c_int
+        _launch_ex = f
+    attr_t, cfg_t = _cluster_structs()
+    attr = attr_t(id=_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, x=cluster, y=1, z=1)
+    cfg = cfg_t(gx=grid[0], gy=grid[1], gz=grid[2], bx=block, by=1, bz=1, smem=smem, n_attrs=1)
+    cfg.attrs = ctypes.pointer(attr)
+    addr = ctypes.addressof(cfg)
+    f = _launch_ex
+
+    def launch(fn, gx, gy, gz, bx, by, bz, sm, stream, params, extra):
+        cfg.stream = stream
+        return f(addr, fn, params, extra)
+    launch.keep = (attr, cfg)  # the structs live as long as the function
+    return launch
+
+
+def clusters_supported(device) -> bool:
+    """Whether launches on `device` can use thread-block clusters: the driver launch path on a
+    GPU of compute capability >= 9.0 (not the simulator, not Numba's dispatcher)."""
+    if launch_mode() != "driver" or not torch.cuda.is_available():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(idx) >= (9, 0)
+
+
+def max_active_clusters(dispatcher, arrays, scalars, device, cluster: int, block: int, smem: int) -> int:
+    """How many clusters of `cluster` blocks (of `block` threads and `smem` bytes of dynamic
+    shared memory) of `dispatcher`, compiled for these arguments' dtypes, the device runs at
+    once (cuOccupancyMaxActiveClusters; 0 when such a cluster cannot run)."""
+    from cuda.bindings import driver
+    from numba import cuda
+    idx = device.index if device.index is not None else _current_device()
+    k = _driver_kernel(dispatcher, idx, arrays, scalars, device)
+    with cuda.gpus[idx]:
+        h = k.handle
+        if isinstance(h, driver.CUkernel):
+            err, h = driver.cuKernelGetFunction(h)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                return 0
+        cfg = driver.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster, 1, 1
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = min(block, k.max_threads), 1, 1
+        cfg.sharedMemBytes = smem
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        err, n = driver.cuOccupancyMaxActiveClusters(h, cfg)
+    return int(n) if err == driver.CUresult.CUDA_SUCCESS else 0
 
 
 _driver_kernels = {}
@@ -333,13 +418,18 @@ class BoundLaunch:
     The per-call arrays must keep the dtypes of the first call (the kernel is compiled for them).
     """
 
-    def __init__(self, dispatcher, grid, block: int, smem: int, arrays, scalars):
+    def __init__(self, dispatcher, grid, block: int, smem: int, arrays, scalars, cluster: int = 1):
         """arrays: the kernel's array arguments, None at the positions given per call; scalars
-        likewise (a per-call scalar must keep the Python type, int or float, of the first call)."""
+        likewise (a per-call scalar must keep the Python type, int or float, of the first call).
+        cluster > 1: thread-block clusters of that many blocks along x (the driver path only;
+        grid[0] a multiple of it)."""
         self.dispatcher = dispatcher
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.block = block
         self.smem = smem
+        self.cluster = int(cluster)
+        if self.cluster > 1 and self.grid[0] % self.cluster:
+            raise ValueError(f"grid[0] = {self.grid[0]} is not a multiple of cluster = {self.cluster}")
         self.fixed = list(arrays)
         self.scalars = list(scalars)
         self.dyn = [i for i, a in enumerate(arrays) if a is None]
@@ -352,7 +442,8 @@ class BoundLaunch:
         plan and its index arrays stay the same objects), with no parameter block yet."""
         import copy
         return BoundLaunch(self.dispatcher, self.grid, self.block, self.smem,
-                           [None if a is None else copy.deepcopy(a, memo) for a in self.fixed], self.scalars)
+                           [None if a is None else copy.deepcopy(a, memo) for a in self.fixed], self.scalars,
+                           self.cluster)
 
     def _full(self, arrays):
         full = list(self.fixed)
@@ -384,12 +475,13 @@ class BoundLaunch:
             if j not in self.dyn_scalars:
                 slots[7 * len(full) + j] = _scalar_bits(v)
         block = min(self.block, k.max_threads)  # register-heavy variants: fewer threads, same result
+        launch_fn = k._launch if self.cluster == 1 else _cluster_launch(self.grid, block, self.smem, self.cluster)
         # per call: [slots, pointer array (kept alive), params, offsets of the per-call arrays,
         # their last pointers and lengths, kernel handle, block, launch function, lock, offsets
         # of the per-call scalars, their last values]
         nd = len(self.dyn)
         st = [slots, ptrs, params, [7 * a for a in self.dyn], [None] * nd, [None] * nd,
-              k.fn, block, k._launch, threading.Lock(), [7 * len(full) + j for j in self.dyn_scalars],
+              k.fn, block, launch_fn, threading.Lock(), [7 * len(full) + j for j in self.dyn_scalars],
               [None] * len(self.dyn_scalars)]
         with self._lock:
             self._state.setdefault(idx, st)
@@ -398,6 +490,8 @@ class BoundLaunch:
     def __call__(self, arrays, device, scalars=()) -> None:
         mode = _mode or launch_mode()
         if mode != "driver":
+            if self.cluster > 1:
+                raise RuntimeError("thread-block cluster launches need the driver launch path")
             return launch(self.dispatcher, self.grid, self.block, self.smem, self._full(arrays),
                           self._full_scalars(scalars), device)
         cur = _current_device()

@@ -40,8 +40,11 @@ SpMMs' atomics across column chunks).
 
 Determinism: under `torch.use_deterministic_algorithms(True)` (or with PARTIAL_SUMS = "parts")
 every op gives bit-identical results from run to run: where the wide kernels would add partial
-results with atomics (the SpMMs' chunk groups, the SDDMM's batch tiles), each part is written to
-an fp32 buffer of its own and the parts are summed in order by one torch reduction.
+results with atomics, the SpMMs' chunk groups of a row block run as one thread-block cluster and
+add their partial rows in order through distributed shared memory (`CLUSTER_SUMS`; compute
+capability >= 9.0, up to 8 groups, when every cluster fits on the GPU at once), and otherwise
+(the SDDMM's batch tiles too) each part is written to an fp32 buffer of its own and the parts
+are summed in order by one torch reduction.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ import torch
 from snack.core.coo import REBUILD, Topology
 from . import kernels
 from .launch import (BoundLaunch, as_kernel_array, device_properties, launch_mode, build_persistent,
-                     zero)
+                     zero, clusters_supported, max_active_clusters)
 
 __all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "choose_tile", "wide_chunks", "WIDE_FROM",
            "WIDE_DENSITY", "MIXED_VALUES"]
@@ -381,6 +384,7 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     up) (see `_spmm_launch`), or None when no variant fits in shared memory (torch fallback)."""
     mode = _sum_mode()
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
+                               CLUSTER_SUMS,
                                WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
@@ -522,10 +526,21 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
             rows4 = not own and _short_segments(topo, n_rows, nch)  # a row per lane group
-            sums = mode if nsplit > 1 else None
-            kern = kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
-                                                 own=own, threads=bound,
-                                                 per_lane=WIDE_OWN_PER_LANE, probe=WIDE_PROBE, vkind=vkind)
+
+            def make(sums):
+                return kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
+                                                     own=own, threads=bound, per_lane=WIDE_OWN_PER_LANE,
+                                                     probe=WIDE_PROBE, vkind=vkind)
+            sums = _chunk_sums(mode, nsplit, device)
+            kern = make(sums)
+            if sums == "cluster":
+                fit = _cluster_fit(kern, wp, ntiles, n_rows, wthreads, device,
+                                   [kind, "int32", idx.dtype, vkind, "int32", kind, vkind, kind, kind, kind])
+                if fit is None:
+                    sums = mode
+                    kern = make(sums)
+                else:
+                    gy, rpb, smem = fit
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
             return _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem,
                                 [_seg(topo, transposed, nch, cw), idx, third],
@@ -548,7 +563,63 @@ def _spmm_launch(kern, grid, threads, smem, index, scalars, sums, extra=()):
     arrays) bound, taking [x, values, output, bias or values] per call; how the chunk groups'
     partial rows add up: None (one group), "atomic" or "parts" (see `_partial_target`))."""
     a1, a2, a3 = index
-    return BoundLaunch(kern, grid, threads, smem, [None, a1, a2, None, a3, None, None] + list(extra), scalars), sums
+    return BoundLaunch(kern, grid, threads, smem, [None, a1, a2, None, a3, None, None] + list(extra), scalars,
+                       cluster=grid[0] if sums == "cluster" else 1), sums
+
+
+# Thread-block clusters for the wide SpMMs' chunk groups: where the column chunks of a row block
+# go to several blocks (nsplit > 1), those blocks form one thread-block cluster and add their
+# partial rows through distributed shared memory (sums="cluster": no zeroed buffer, no atomics,
+# no reduction, deterministic; y written once in its own dtype). Possible on GPUs of compute
+# capability >= 9.0 with the driver launch path, for nsplit <= CLUSTER_MAX, when every cluster
+# fits on the GPU at once. CLUSTER_SUMS: True, wherever possible; "deterministic" (default),
+# where possible in place of the parts (`_sum_mode() == "parts"`: under
+# torch.use_deterministic_algorithms(True) or PARTIAL_SUMS = "parts"); False, never.
+CLUSTER_SUMS = "deterministic"
+CLUSTER_MAX = 8  # the portable cluster size
+
+
+def _chunk_sums(mode: str, nsplit: int, device) -> Optional[str]:
+    """How the wide SpMMs' nsplit chunk groups add up: None (one group), "cluster", or `mode`."""
+    if CLUSTER_SUMS not in (True, False, "deterministic"):
+        raise ValueError(f"snack.gpu.ops.CLUSTER_SUMS must be True, False or 'deterministic', got {CLUSTER_SUMS!r}")
+    if nsplit <= 1:
+        return None
+    wanted = CLUSTER_SUMS is True or (CLUSTER_SUMS == "deterministic" and mode == "parts")
+    if wanted and nsplit <= CLUSTER_MAX and clusters_supported(device):
+        return "cluster"
+    return mode
+
+
+_TORCH_KIND = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _cluster_fit(kern, wp, ntiles: int, n_rows: int, threads: int, device, dtypes):
+    """(grid rows, rows per block, shared memory) of the wide plan `wp` (`_wide_plan`) for `kern`
+    built with sums="cluster", with at most as many clusters as the GPU runs at once (fewer,
+    taller row blocks when needed), or None when its clusters cannot run. dtypes: the kernel's
+    array arguments' dtypes (a kind number, None for x's kind, or a dtype)."""
+    nch, cw, cps, nsplit, gy, rpb, smem = wp
+    base = smem - rpb * 33 * 4  # the X chunk
+    def dtype(d):
+        if d is None:
+            d = dtypes[0]
+        return _TORCH_KIND[d] if isinstance(d, int) else getattr(torch, d) if isinstance(d, str) else d
+    arrays = [dummy_array(device, dtype(d)) for d in dtypes]
+
+    def active(sm):
+        return max_active_clusters(kern, arrays, [n_rows, 0, 0, nch, cw, rpb, cps], device, nsplit, threads, sm)
+    n = active(smem)
+    if n < 1:
+        return None
+    if ntiles * gy > n:
+        gy = max(1, n // ntiles)
+        rpb = -(-n_rows // gy)
+        gy = -(-n_rows // rpb)
+        smem = base + rpb * 33 * 4
+        if smem > device_properties(device)[1] or active(smem) < min(n, ntiles * gy):
+            return None
+    return gy, rpb, smem
 
 
 def _kind_dummy(device, kind: int) -> torch.Tensor:
@@ -576,7 +647,7 @@ def _partial_target(y, sums, nparts: int, dev):
     """Where a wide kernel writes y: y itself (sums None); with "atomic" a zeroed fp32 buffer
     (y itself when y is fp32); with "parts" an fp32 buffer (nparts, *y.shape). `_finish_partial`
     then makes y from it."""
-    if sums is None:
+    if sums is None or sums == "cluster":
         return y
     if sums == "parts":
         return torch.empty((nparts,) + tuple(y.shape), dtype=torch.float32, device=dev)
@@ -905,7 +976,8 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     plan = None
     if fuses_backward(batch, topo, fused) and n_in > 0:
         mode = _sum_mode()
-        plan = _cached_plan(topo, ("fused_plan", batch, kind, threads, chunks, split, bool(bias_grad), mode),
+        plan = _cached_plan(topo, ("fused_plan", batch, kind, threads, chunks, split, bool(bias_grad), mode,
+                                   CLUSTER_SUMS),
                             _build_fused_plan, batch, kind, topo.device, threads, chunks, split, bool(bias_grad),
                             mode)
     if plan is None:
@@ -941,9 +1013,21 @@ def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db
     if wp is None:
         return None
     nch, cw, cps, nsplit, gy, rpb, smem = wp
-    sums = mode if nsplit > 1 else None
-    kern = kernels.make_spmm_wide_kernel(kind, True, sums, False, idx.dtype == torch.uint16, True, with_db,
-                                         vkind=vkind)
+
+    def make(sums):
+        return kernels.make_spmm_wide_kernel(kind, True, sums, False, idx.dtype == torch.uint16, True, with_db,
+                                             vkind=vkind)
+    sums = _chunk_sums(mode, nsplit, device)
+    kern = make(sums)
+    if sums == "cluster":
+        fit = _cluster_fit(kern, wp, 1, n_rows, threads, device,
+                           [kind, "int32", idx.dtype, vkind, "int32", kind, kind, kind, kind, kind])
+        if fit is None:
+            sums = mode
+            kern = make(sums)
+        else:
+            gy, rpb, smem = fit
     return BoundLaunch(kern, (nsplit, 1, gy), threads, smem,
                        [None, _seg(topo, True, nch, cw), idx, None, perm, None, _kind_dummy(device, kind),
-                        None, None, None], [n_rows, n_cols, batch, nch, cw, rpb, cps]), sums
+                        None, None, None], [n_rows, n_cols, batch, nch, cw, rpb, cps],
+                       cluster=nsplit if sums == "cluster" else 1), sums

@@ -24,8 +24,15 @@ def _sig(arrays, n_scalars):
     return tuple(tys + [types.int64] * n_scalars)
 
 
-# how a wide kernel adds partial results: written once, fp32 atomics, fp32 parts
+# how a wide kernel adds partial results: written once, fp32 atomics, fp32 parts; the wide
+# SpMMs also through a thread-block cluster's shared memory (written once, in y's dtype)
 SUMS = (None, "atomic", "parts")
+SPMM_SUMS = SUMS + ("cluster",)
+
+
+def _fp32_sums(sums) -> bool:
+    """Whether a wide kernel with these `sums` writes its output to an fp32 buffer."""
+    return sums in ("atomic", "parts")
 # the wide SpMMs' row modes (rows4, own): a warp per row, a row per group of 8 lanes, lane-owned
 _WIDE_MODES = ((False, False), (True, False), (False, True))
 
@@ -61,31 +68,31 @@ def variants():
                     out.append((d.py_func.__name__, d,
                                 _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 3)))
         for perm, bias in ((False, False), (True, False), (False, True)):
-            for sums in SUMS:
+            for sums in SPMM_SUMS:
                 for rows4, own in _WIDE_MODES:
                     d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own, threads=_threads(own),
                                                       per_lane=_per_lane())
-                    yel = "float32" if sums else el
+                    yel = "float32" if _fp32_sums(sums) else el
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "int32", el, "int32", yel, el, el, el, el], 7)))
-        for sums in SUMS:  # the fused backward (dX, dv and optionally db in one pass)
+        for sums in SPMM_SUMS:  # the fused backward (dX, dv and optionally db in one pass)
             for with_db in (False, True):
                 for i16 in ((False, True) if kind == 0 else (False,)):
                     d = kernels.make_spmm_wide_kernel(kind, True, sums, False, i16, True, with_db)
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "uint16" if i16 else "int32", el, "int32",
-                                      "float32" if sums else el, el, el, el, el], 7)))
+                                      "float32" if _fp32_sums(sums) else el, el, el, el, el], 7)))
         if kind == 0:  # the transposed SpMMs with a uint16 row index (same code, other index type)
             for bt in (1, 2, 4, 8):
                 for make in ((kernels.make_spmm_kernel,) + ((kernels.make_spmm_own_kernel,) if bt > 1 else ())):
                     d = make(bt, kind, True, False, True)
                     out.append((d.py_func.__name__, d, _sig([el, "int32", "uint16", el, "int32", el, el], 3)))
-            for sums in SUMS:
+            for sums in SPMM_SUMS:
                 for rows4, own in _WIDE_MODES:
                     d = kernels.make_spmm_wide_kernel(kind, True, sums, False, True, rows4=rows4, own=own,
                                                       threads=_threads(own), per_lane=_per_lane())
                     out.append((d.py_func.__name__, d,
-                                _sig([el, "int32", "uint16", el, "int32", "float32" if sums else el, el,
+                                _sig([el, "int32", "uint16", el, "int32", "float32" if _fp32_sums(sums) else el, el,
                                       el, el, el], 7)))
         if kind:  # mixed precision: float32 values (and bias) with half x / dy, in the three SpMMs
             for perm, bias in ((False, False), (True, False), (False, True)):
@@ -95,18 +102,18 @@ def variants():
                     for make in makes:
                         d = make(bt, kind, perm, bias, vkind=0)
                         out.append((d.py_func.__name__, d, _sig([el, "int32", "int32", "float32", "int32", el, vb], 3)))
-                for sums in (None, "atomic"):
+                for sums in (None, "atomic", "cluster"):
                     for rows4, own in _WIDE_MODES:
                         d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own,
                                                           threads=_threads(own), per_lane=_per_lane(), vkind=0)
                         out.append((d.py_func.__name__, d,
-                                    _sig([el, "int32", "int32", "float32", "int32", "float32" if sums else el, vb,
+                                    _sig([el, "int32", "int32", "float32", "int32", "float32" if _fp32_sums(sums) else el, vb,
                                           el, el, el], 7)))
-            for sums in (None, "atomic"):
+            for sums in (None, "atomic", "cluster"):
                 for with_db in (False, True):
                     d = kernels.make_spmm_wide_kernel(kind, True, sums, False, False, True, with_db, vkind=0)
                     out.append((d.py_func.__name__, d,
-                                _sig([el, "int32", "int32", "float32", "int32", "float32" if sums else el, el, el, el,
+                                _sig([el, "int32", "int32", "float32", "int32", "float32" if _fp32_sums(sums) else el, el, el, el,
                                       el], 7)))
         for with_db in (False, True):
             for rows4 in (False, True):

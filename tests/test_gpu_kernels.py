@@ -119,6 +119,55 @@ def test_forward_with_fused_bias(B, kw, dtype, gen):
     assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
 
 
+@pytest.mark.parametrize("B,chunks,split,dtype,mode", [
+    (32, None, None, torch.float32, None),       # the default 4 chunks at B = 32: clusters of 4 blocks
+    (64, 4, 2, torch.float32, "warp"),           # 2 groups of 2 chunks each
+    (40, 3, None, torch.float16, "own"),
+    (128, None, None, torch.bfloat16, "rows4"),  # 3 chunks x 4 batch tiles
+    (17, 8, None, torch.float32, "warp"),        # the largest portable cluster
+    (33, 9, None, torch.float32, None),          # 9 groups: atomics
+])
+def test_chunk_groups_summed_through_cluster_shared_memory(monkeypatch, B, chunks, split, dtype, mode, gen):
+    # where 2-8 blocks share a row block, they form a thread-block cluster and add their partial
+    # rows through distributed shared memory: every op matches float64 (rows shared unevenly by
+    # the cluster's blocks: 517 rows), the same call gives the same bits (no atomics), and the
+    # atomics (CLUSTER_SUMS = False) agree within rounding; with float32 values too (mixed)
+    import snack.gpu as G
+    from snack.gpu import ops
+    from snack.core import COO
+    from snack.core.reference import spmm_reference
+    monkeypatch.setattr(ops, "CLUSTER_SUMS", True)
+    coo = COO.random((517, 4100), density=0.05, generator=gen, device="cuda")
+    t = coo.topology
+    kw = dict(wide=True, chunks=chunks, split=split)
+    with ops.wide_mode(mode) if mode else torch.no_grad():
+        _run_all(coo, B, dtype, gen, **kw)
+        x = torch.randn(B, 4100, generator=gen).to(dtype).cuda()
+        bias = torch.randn(517, generator=gen).cuda()
+        for v, b in ((coo.values.to(dtype), bias.to(dtype)), (coo.values, bias)):  # one dtype; mixed
+            y = G.spmm(x, t, v, bias=b, **kw)
+            # the plan key: ("spmm_plan", transposed, batch, kind, ..., has_bias (9), mode, CLUSTER_SUMS (11), ...)
+            kind = ops._plan_kind(x.dtype, v.dtype)
+            plan = [p for k, p in t.cache.items() if isinstance(k, tuple) and k[0] == "spmm_plan"
+                    and k[1] is False and k[2] == B and k[3] == kind and k[9] and k[11]]
+            assert len(plan) == 1
+            plan = plan[0]
+            nsplit = plan[0].grid[0]
+            assert plan[1] == ("cluster" if 2 <= nsplit <= 8 else "atomic")
+            assert plan[0].cluster == (nsplit if plan[1] == "cluster" else 1)
+            ref = spmm_reference(x.double(), t.indices, v.double(), 517) + b.double()
+            assert ((y.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
+            if plan[1] == "cluster":
+                for _ in range(3):
+                    assert torch.equal(G.spmm(x, t, v, bias=b, **kw), y)
+            try:
+                ops.CLUSTER_SUMS = False
+                ya = G.spmm(x, t, v, bias=b, **kw)
+            finally:
+                ops.CLUSTER_SUMS = True
+            assert ((ya.double() - y.double()).norm() / ref.norm()).item() < TOL[dtype]
+
+
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_wide_flush_with_more_rows_than_threads(monkeypatch, chunks, gen):
     # one row block of 1500 rows for 1024 threads: the flush loops over rows one column at a time
@@ -137,14 +186,18 @@ def test_benchmark_points(sparsity, B, gen):
     _run_all(coo, B, torch.float32, gen)
 
 
+@pytest.mark.parametrize("clusters", ["deterministic", False])
 @pytest.mark.parametrize("B", [32, 128])
-def test_deterministic_mode_is_bit_identical_from_run_to_run(B, gen):
+def test_deterministic_mode_is_bit_identical_from_run_to_run(monkeypatch, clusters, B, gen):
     # torch.use_deterministic_algorithms(True): the wide ops run without atomics, so repeated
     # calls give the same bits (with atomics across 4 column chunks they differ in the last
-    # bits); the layer's forward and backward too
+    # bits); the layer's forward and backward too. The SpMMs' chunk groups add up through
+    # thread-block clusters (the default) or as parts summed in order (CLUSTER_SUMS = False)
     import snack
     import snack.gpu as G
     from snack.core import COO
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "CLUSTER_SUMS", clusters)
     coo = COO.random((4096, 4096), density=0.1, generator=gen, device="cuda")
     t, v = coo.topology, coo.values
     x = torch.randn(B, 4096, generator=gen).cuda()

@@ -242,3 +242,29 @@ def test_build_persistent_runs_on_its_worker_nests_and_raises():
     with pytest.raises(ValueError, match="not sorted"):
         build_persistent("cuda", bad)
     assert build_persistent("cpu", threading.get_ident) == main   # off the GPU: in place
+
+
+def test_cluster_launch_config(monkeypatch):
+    # the cuLaunchKernelEx config as the driver reads it: CUlaunchConfig (grid, block, shared
+    # memory, stream at byte 32, attributes at 40, their count at 48) and one CUlaunchAttribute
+    # (id 4 = cluster dimension, the dimensions at byte 8)
+    import ctypes
+    from snack.gpu import launch as L
+    seen = []
+
+    def fake_ex(addr, fn, params, extra):
+        raw = ctypes.string_at(addr, 56)
+        u = np.frombuffer(raw[:28], dtype=np.uint32).tolist()
+        stream, attrs = np.frombuffer(raw[32:48], dtype=np.uint64).tolist()
+        n_attrs = int(np.frombuffer(raw[48:52], dtype=np.uint32)[0])
+        a = ctypes.string_at(attrs, 72)
+        seen.append((u, stream, n_attrs, np.frombuffer(a[:4], dtype=np.uint32)[0],
+                     np.frombuffer(a[8:20], dtype=np.uint32).tolist(), fn, params))
+        return 0
+    monkeypatch.setattr(L, "_launch_ex", fake_ex)
+    assert ctypes.sizeof(L._cluster_structs()[0]) == 72 and ctypes.sizeof(L._cluster_structs()[1]) == 56
+    f = L._cluster_launch((8, 3, 5), 512, 150000, 4)
+    assert f(1234, 8, 3, 5, 512, 1, 1, 150000, 777, 4321, None) == 0
+    f(1234, 8, 3, 5, 512, 1, 1, 150000, 778, 4321, None)
+    assert seen[0] == ([8, 3, 5, 512, 1, 1, 150000], 777, 1, 4, [4, 1, 1], 1234, 4321)
+    assert seen[1][1] == 778  # the stream is written at every call

@@ -229,3 +229,74 @@ def test_kernel_factories_give_one_dispatcher_however_the_values_kind_is_passed(
     assert K.make_spmm_wide_kernel(2, True, "atomic", vkind=0).py_func.__name__.endswith("_vfloat32")
     o = K.make_spmm_own_kernel(8, 1, False)
     assert o is K.make_spmm_own_kernel(8, 1, False, vkind=1) and K.make_spmm_own_kernel(8, 1, False, vkind=0) is not o
+
+
+def test_chunk_groups_sum_through_clusters_where_supported(monkeypatch):
+    import torch
+    dev = torch.device("cuda:0")
+    monkeypatch.setattr(ops, "clusters_supported", lambda device: True)
+    assert ops.CLUSTER_SUMS == "deterministic"  # the default: clusters in place of the parts
+    assert ops._chunk_sums("parts", 1, dev) is None  # one chunk group: written once
+    assert [ops._chunk_sums("parts", n, dev) for n in (2, 4, 8)] == ["cluster"] * 3
+    assert ops._chunk_sums("atomic", 4, dev) == "atomic"
+    assert ops._chunk_sums("parts", 9, dev) == "parts"  # beyond the portable cluster size
+    monkeypatch.setattr(ops, "CLUSTER_SUMS", True)
+    assert ops._chunk_sums("atomic", 4, dev) == "cluster"
+    monkeypatch.setattr(ops, "CLUSTER_SUMS", False)
+    assert ops._chunk_sums("parts", 4, dev) == "parts"
+    monkeypatch.setattr(ops, "CLUSTER_SUMS", "always")
+    with pytest.raises(ValueError, match="CLUSTER_SUMS must be True, False or 'deterministic', got 'always'"):
+        ops._chunk_sums("atomic", 4, dev)
+    monkeypatch.setattr(ops, "CLUSTER_SUMS", True)
+    monkeypatch.setattr(ops, "clusters_supported", lambda device: False)
+    assert ops._chunk_sums("atomic", 4, dev) == "atomic"
+
+
+def test_cluster_launch_is_gpu_only_here():
+    # the simulator runs blocks one after another, and a machine without a GPU has none: no
+    # clusters, whatever the device
+    import torch
+    from snack.gpu.launch import clusters_supported
+    assert not clusters_supported(torch.device("cuda:0"))
+
+
+@pytest.mark.parametrize("active,expect", [
+    (40, (33, 125)),   # every cluster fits at once: the plan is kept
+    (32, (32, 128)),   # fewer clusters run at once than row blocks: fewer, taller row blocks
+    (0, None),         # such a cluster cannot run: no cluster plan
+])
+def test_cluster_fit_keeps_every_cluster_resident(h200, monkeypatch, active, expect):
+    import torch
+    seen = []
+
+    def fake(kern, arrays, scalars, device, cluster, block, smem):
+        seen.append((cluster, block, smem, tuple(a.dtype for a in arrays)))
+        return active
+    monkeypatch.setattr(ops, "max_active_clusters", fake)
+    monkeypatch.setattr(ops, "dummy_array", lambda device, dtype=torch.float32: torch.zeros(1, dtype=dtype))
+    wp = ops._wide_plan(4096, 4096, 32, h200, 1024)
+    nch, cw, cps, nsplit, gy, rpb, smem = wp
+    assert (nch, nsplit, gy, rpb) == (4, 4, 33, 125)
+    fit = ops._cluster_fit(None, wp, 1, 4096, 1024, h200,
+                           [2, "int32", torch.uint16, 0, "int32", 2, 0, 2, 2, 2])
+    assert seen[0][:3] == (4, 1024, smem)
+    # the kernel is queried for the dtypes the call passes (bfloat16 x, float32 values)
+    assert seen[0][3] == (torch.bfloat16, torch.int32, torch.uint16, torch.float32, torch.int32,
+                          torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    if expect is None:
+        assert fit is None
+    else:
+        g, r, sm = fit
+        assert (g, r) == expect and g * r >= 4096 and sm == cw * 32 * 4 + r * 33 * 4
+
+
+def test_bound_launch_cluster_checks(monkeypatch):
+    import torch
+    from snack.gpu import launch
+    from snack.gpu.launch import BoundLaunch
+    monkeypatch.setattr(launch, "_mode", "numba")  # Numba's dispatcher cannot launch clusters
+    with pytest.raises(ValueError, match="grid\\[0\\] = 3 is not a multiple of cluster = 2"):
+        BoundLaunch(None, (3, 1, 1), 32, 0, [None], [], cluster=2)
+    b = BoundLaunch(None, (4, 1, 1), 32, 0, [None], [], cluster=2)
+    with pytest.raises(RuntimeError, match="thread-block cluster launches need the driver launch path"):
+        b([torch.zeros(1)], torch.device("cpu"))

@@ -17,6 +17,11 @@ for name, ptx in res.items():
     assert '.target sm_90' in ptx, name
     assert '.entry' in ptx, name
     assert not uses_local_memory(ptx), name + ' spills an array to local memory'
+    # the thread-block cluster variants sum through distributed shared memory between two barriers
+    if '_cluster' in name:
+        assert ptx.count('barrier.cluster.wait') == 2 and 'ld.shared::cluster.f32' in ptx, name
+        assert 'atom.global' not in ptx, name + ' adds with atomics'
+assert sum('_cluster' in n for n in res) >= 40
 print('compiled', len(res))
 """
 
