@@ -213,18 +213,23 @@ def _driver_kernel(dispatcher, idx: int, arrays, scalars, device) -> "_DriverKer
 _libcuda = None
 
 
+def _libcuda_fn(name: str, argtypes):
+    """The driver function `name` from libcuda through ctypes, returning a CUresult (int)."""
+    import ctypes
+    f = getattr(ctypes.CDLL("libcuda.so.1"), name)
+    f.argtypes = argtypes
+    f.restype = ctypes.c_int
+    return f
+
+
 def _libcuda_launch():
     """cuLaunchKernel from libcuda through ctypes: about 1 us per call from Python."""
     global _libcuda
     if _libcuda is None:
         import ctypes
-        lib = ctypes.CDLL("libcuda.so.1")
-        f = lib.cuLaunchKernel
         u = ctypes.c_uint
-        f.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p,
-                      ctypes.c_void_p]
-        f.restype = ctypes.c_int
-        _libcuda = f
+        _libcuda = _libcuda_fn("cuLaunchKernel", [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p,
+                                                  ctypes.c_void_p, ctypes.c_void_p])
     return _libcuda
 
 
@@ -258,10 +263,7 @@ def _cluster_launch(grid, block: int, smem: int, cluster: int):
     import ctypes
     global _launch_ex
     if _launch_ex is None:
-        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        f.restype = ctypes.c_int
-        _launch_ex = f
+        _launch_ex = _libcuda_fn("cuLaunchKernelEx", [ctypes.c_void_p] * 4)
     attr_t, cfg_t = _cluster_structs()
     attr = attr_t(id=_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, x=cluster, y=1, z=1)
     cfg = cfg_t(gx=grid[0], gy=grid[1], gz=grid[2], bx=block, by=1, bz=1, smem=smem, n_attrs=1)
@@ -326,10 +328,7 @@ def zero(t: torch.Tensor) -> torch.Tensor:
     global _memset
     if _memset is None:
         import ctypes
-        f = ctypes.CDLL("libcuda.so.1").cuMemsetD32Async
-        f.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
-        f.restype = ctypes.c_int
-        _memset = f
+        _memset = _libcuda_fn("cuMemsetD32Async", [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p])
     n = t.numel()
     if n:
         cur = _current_device()

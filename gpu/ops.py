@@ -531,16 +531,9 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
                 return kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
                                                      own=own, threads=bound, per_lane=WIDE_OWN_PER_LANE,
                                                      probe=WIDE_PROBE, vkind=vkind)
-            sums = _chunk_sums(mode, nsplit, device)
-            kern = make(sums)
-            if sums == "cluster":
-                fit = _cluster_fit(kern, wp, ntiles, n_rows, wthreads, device,
-                                   [kind, "int32", idx.dtype, vkind, "int32", kind, vkind, kind, kind, kind])
-                if fit is None:
-                    sums = mode
-                    kern = make(sums)
-                else:
-                    gy, rpb, smem = fit
+            kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
+                make, mode, wp, ntiles, n_rows, wthreads, device,
+                [kind, "int32", idx.dtype, vkind, "int32", kind, vkind, kind, kind, kind])
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
             return _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem,
                                 [_seg(topo, transposed, nch, cw), idx, third],
@@ -620,6 +613,23 @@ def _cluster_fit(kern, wp, ntiles: int, n_rows: int, threads: int, device, dtype
         if smem > device_properties(device)[1] or active(smem) < min(n, ntiles * gy):
             return None
     return gy, rpb, smem
+
+
+def _wide_kernel_and_sums(make, mode: str, wp, ntiles: int, n_rows: int, threads: int, device, dtypes):
+    """(kernel, sums, grid rows, rows per block, shared memory) of a wide SpMM plan `wp`
+    (`_wide_plan`): make(sums) builds the kernel; clusters where `_chunk_sums` says so and
+    `_cluster_fit` finds them a grid, else `mode` (dtypes: as `_cluster_fit` takes them)."""
+    gy, rpb, smem = wp[4:]
+    sums = _chunk_sums(mode, wp[3], device)
+    kern = make(sums)
+    if sums == "cluster":
+        fit = _cluster_fit(kern, wp, ntiles, n_rows, threads, device, dtypes)
+        if fit is None:
+            sums = mode
+            kern = make(sums)
+        else:
+            gy, rpb, smem = fit
+    return kern, sums, gy, rpb, smem
 
 
 def _kind_dummy(device, kind: int) -> torch.Tensor:
@@ -1017,16 +1027,8 @@ def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db
     def make(sums):
         return kernels.make_spmm_wide_kernel(kind, True, sums, False, idx.dtype == torch.uint16, True, with_db,
                                              vkind=vkind)
-    sums = _chunk_sums(mode, nsplit, device)
-    kern = make(sums)
-    if sums == "cluster":
-        fit = _cluster_fit(kern, wp, 1, n_rows, threads, device,
-                           [kind, "int32", idx.dtype, vkind, "int32", kind, kind, kind, kind, kind])
-        if fit is None:
-            sums = mode
-            kern = make(sums)
-        else:
-            gy, rpb, smem = fit
+    kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
+        make, mode, wp, 1, n_rows, threads, device, [kind, "int32", idx.dtype, vkind, "int32", kind, kind, kind, kind, kind])
     return BoundLaunch(kern, (nsplit, 1, gy), threads, smem,
                        [None, _seg(topo, True, nch, cw), idx, None, perm, None, _kind_dummy(device, kind),
                         None, None, None], [n_rows, n_cols, batch, nch, cw, rpb, cps],
