@@ -39,7 +39,8 @@ def _run_ops(G, x, dy, t, v, bias, B, tiled, opts, dt, refs):
     return worst
 
 
-def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=False, mixed=False):
+def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=False, mixed=False, dtypes=None,
+         shapes=None):
     """sums: the ways of adding the wide kernels' partial results to run ("atomic" and "parts":
     ops.PARTIAL_SUMS with ops.CLUSTER_SUMS off; "cluster": the SpMMs' chunk groups through
     thread-block clusters, ops.CLUSTER_SUMS = True);
@@ -49,17 +50,22 @@ def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=Fa
     128-byte line per load, and its leftovers), float32 and float16, a shorter run; mixed:
     float32 values and bias with float16 / bfloat16 x and dy (the mixed-precision variants of the
     SpMMs), every variant. Prints one line per shape as it goes (a sanitizer run cut short still
-    shows how far it got)."""
+    shows how far it got). dtypes: only these activation dtypes (names, e.g. ("float32",)) of
+    the run's; shapes: only the run's shapes at these positions (0-based), for sanitizer runs
+    split over several calls."""
     import snack.gpu as G
     from snack.core import COO
     from snack.gpu import ops
     partial_sums, cluster_sums = ops.PARTIAL_SUMS, ops.CLUSTER_SUMS
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
+    shapes_at = shapes
     shapes = [(37, 53, 1, 0.3), (23, 41, 2, 0.2), (64, 29, 3, 0.2), (19, 77, 9, 0.5),
               (5, 40, 33, 0.9), (70, 11, 70, 0.1)]
     if staging:
         shapes = [(5, 40, 33, 0.9), (21, 70, 64, 0.4), (9, 96, 45, 0.5)]
+    if shapes_at is not None:
+        shapes = [shapes[k] for k in shapes_at]
     runs = [(mode, shape) for mode in (sums[:1] if tiled else sums) for shape in shapes]
     for n, (mode, (o, i, B, d)) in enumerate(runs):
         print(f"[{n + 1}/{len(runs)}] sums={mode} W {o} x {i}, B = {B}, density {d}", flush=True)
@@ -67,6 +73,8 @@ def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=Fa
         ops.CLUSTER_SUMS = mode == "cluster"
         dts = ((torch.float16, torch.bfloat16) if mixed else (torch.float32, torch.float16) if staging
                else (torch.float32, torch.float16, torch.bfloat16))
+        if dtypes is not None:
+            dts = tuple(dt for dt in dts if str(dt).removeprefix("torch.") in dtypes)
         for dt in dts:
             vdt = torch.float32 if mixed else dt  # the values' and the bias's dtype
             coo = COO.random((o, i), density=d, seed=o + i, device="cuda", dtype=vdt)
@@ -144,11 +152,22 @@ def cli(argv=None):
     ap.add_argument("--mixed", action="store_true",
                     help="float32 values and bias with float16 / bfloat16 activations (the SpMMs' "
                          "mixed-precision variants), every variant")
+    ap.add_argument("--dtypes", nargs="+", choices=["float32", "float16", "bfloat16"],
+                    help="only these activation dtypes of the run's (default: all of them)")
+    ap.add_argument("--shapes", nargs="+", type=int, metavar="K",
+                    help="only the run's shapes at these 0-based positions (default: all), to split a "
+                         "sanitizer run over several calls")
     a = ap.parse_args(argv)
     if a.tiled + a.own + a.staging + a.mixed > 1:
         ap.error("give at most one of --tiled, --own, --staging, --mixed")
+    n_shapes = 3 if a.staging else 6
+    if a.shapes is not None and not all(0 <= k < n_shapes for k in a.shapes):
+        ap.error(f"--shapes: positions must be in [0, {n_shapes}) for this run, got {a.shapes}")
+    run_dtypes = {"float16", "bfloat16"} if a.mixed else {"float32", "float16"} if a.staging else None
+    if a.dtypes is not None and run_dtypes is not None and not set(a.dtypes) & run_dtypes:
+        ap.error(f"--dtypes: this run has {sorted(run_dtypes)} activations only, got {a.dtypes}")
     require_gpu("sanitize_kernels.py", triton=False)
-    main(tuple(a.sums), a.tiled, a.own, a.staging, a.mixed)
+    main(tuple(a.sums), a.tiled, a.own, a.staging, a.mixed, a.dtypes, a.shapes)
 
 
 if __name__ == "__main__":

@@ -1198,7 +1198,6 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
         # padded to a power of two, 2^sh >= nr, so that (col, row) = (tid >> sh, tid & mask)
         qa = int32(0)
         qb = int32(r1 - r0)
-        nsp = int32(cuda.gridDim.x)
         if CLUSTER:
             # the cluster's blocks (its chunk groups, cluster rank = blockIdx.x) share the row
             # block: block j sums rows [qa, qb) of every block's tile, in rank order, into its own
@@ -1207,6 +1206,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
             # reading columns, 33 words apart, took 6.7 us instead of 3.1 at 90 %, B = 32 on the
             # H200), four reads in flight
             _cluster_sync()
+            nsp = int32(cuda.gridDim.x)
             rank = int32(cuda.blockIdx.x)
             qa = int32((qb * rank) // nsp)
             qb = int32((qb * (rank + 1)) // nsp)

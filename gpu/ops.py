@@ -533,7 +533,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
                                                      probe=WIDE_PROBE, vkind=vkind)
             kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
                 make, mode, wp, ntiles, n_rows, wthreads, device,
-                [kind, "int32", idx.dtype, vkind, "int32", kind, vkind, kind, kind, kind])
+                _wide_dtypes(kind, vkind, idx.dtype, fused=False))
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
             return _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem,
                                 [_seg(topo, transposed, nch, cw), idx, third],
@@ -590,15 +590,11 @@ _TORCH_KIND = (torch.float32, torch.float16, torch.bfloat16)
 def _cluster_fit(kern, wp, ntiles: int, n_rows: int, threads: int, device, dtypes):
     """(grid rows, rows per block, shared memory) of the wide plan `wp` (`_wide_plan`) for `kern`
     built with sums="cluster", with at most as many clusters as the GPU runs at once (fewer,
-    taller row blocks when needed), or None when its clusters cannot run. dtypes: the kernel's
-    array arguments' dtypes (a kind number, None for x's kind, or a dtype)."""
+    taller row blocks when needed), or None when its clusters cannot run. dtypes: the torch
+    dtypes of the kernel's array arguments (`_wide_dtypes`)."""
     nch, cw, cps, nsplit, gy, rpb, smem = wp
     base = smem - rpb * 33 * 4  # the X chunk
-    def dtype(d):
-        if d is None:
-            d = dtypes[0]
-        return _TORCH_KIND[d] if isinstance(d, int) else getattr(torch, d) if isinstance(d, str) else d
-    arrays = [dummy_array(device, dtype(d)) for d in dtypes]
+    arrays = [dummy_array(device, d) for d in dtypes]
 
     def active(sm):
         return max_active_clusters(kern, arrays, [n_rows, 0, 0, nch, cw, rpb, cps], device, nsplit, threads, sm)
@@ -615,10 +611,19 @@ def _cluster_fit(kern, wp, ntiles: int, n_rows: int, threads: int, device, dtype
     return gy, rpb, smem
 
 
+def _wide_dtypes(kind: int, vkind, idx_dtype, fused: bool) -> list:
+    """The torch dtypes of a wide SpMM kernel's ten array arguments (x, segments, index, values,
+    permutation, y, bias or the fused dv, three more of x's kind), for `_cluster_fit`; vkind: the
+    values' kind, None when it is x's."""
+    xd = _TORCH_KIND[kind]
+    vd = xd if vkind is None else _TORCH_KIND[vkind]
+    return [xd, torch.int32, idx_dtype, vd, torch.int32, xd, xd if fused else vd, xd, xd, xd]
+
+
 def _wide_kernel_and_sums(make, mode: str, wp, ntiles: int, n_rows: int, threads: int, device, dtypes):
     """(kernel, sums, grid rows, rows per block, shared memory) of a wide SpMM plan `wp`
     (`_wide_plan`): make(sums) builds the kernel; clusters where `_chunk_sums` says so and
-    `_cluster_fit` finds them a grid, else `mode` (dtypes: as `_cluster_fit` takes them)."""
+    `_cluster_fit` finds them a grid, else `mode` (dtypes: `_wide_dtypes`)."""
     gy, rpb, smem = wp[4:]
     sums = _chunk_sums(mode, wp[3], device)
     kern = make(sums)
@@ -1028,7 +1033,7 @@ def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db
         return kernels.make_spmm_wide_kernel(kind, True, sums, False, idx.dtype == torch.uint16, True, with_db,
                                              vkind=vkind)
     kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
-        make, mode, wp, 1, n_rows, threads, device, [kind, "int32", idx.dtype, vkind, "int32", kind, kind, kind, kind, kind])
+        make, mode, wp, 1, n_rows, threads, device, _wide_dtypes(kind, vkind, idx.dtype, fused=True))
     return BoundLaunch(kern, (nsplit, 1, gy), threads, smem,
                        [None, _seg(topo, True, nch, cw), idx, None, perm, None, _kind_dummy(device, kind),
                         None, None, None], [n_rows, n_cols, batch, nch, cw, rpb, cps],

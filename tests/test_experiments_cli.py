@@ -178,6 +178,10 @@ def test_gpu_scripts_check_their_options_first(capsys):
     assert "--cprofile applies" in _usage_error(capsys, profile_launch.main, ["--cprofile"])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--tiled", "--own"])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--mixed", "--staging"])
+    assert "positions must be in [0, 6)" in _usage_error(capsys, sanitize_kernels.cli, ["--shapes", "0", "6"])
+    assert "positions must be in [0, 3)" in _usage_error(capsys, sanitize_kernels.cli, ["--staging", "--shapes", "3"])
+    msg = _usage_error(capsys, sanitize_kernels.cli, ["--mixed", "--dtypes", "float32"])
+    assert "--dtypes" in msg and "float16" in msg and "float32" in msg
 
 
 # ---- missing inputs ----------------------------------------------------------------------------

@@ -278,7 +278,7 @@ def test_cluster_fit_keeps_every_cluster_resident(h200, monkeypatch, active, exp
     nch, cw, cps, nsplit, gy, rpb, smem = wp
     assert (nch, nsplit, gy, rpb) == (4, 4, 33, 125)
     fit = ops._cluster_fit(None, wp, 1, 4096, 1024, h200,
-                           [2, "int32", torch.uint16, 0, "int32", 2, 0, 2, 2, 2])
+                           ops._wide_dtypes(2, 0, torch.uint16, fused=False))
     assert seen[0][:3] == (4, 1024, smem)
     # the kernel is queried for the dtypes the call passes (bfloat16 x, float32 values)
     assert seen[0][3] == (torch.bfloat16, torch.int32, torch.uint16, torch.float32, torch.int32,
