@@ -1,5 +1,11 @@
 """Runs every SNACK kernel variant (and the fused Adam steps) once on small odd shapes and checks the results; meant to be run
-under `compute-sanitizer --tool memcheck` and `--tool racecheck` on the GPU machine.
+under `compute-sanitizer --tool memcheck` and `--tool racecheck` on the GPU machine, with
+`--report-api-errors no` (the CUDA bindings probe driver entry points the driver lacks, 34
+`cuGetProcAddress_v2` errors on the host that would otherwise count as errors), e.g.
+    compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 3 \
+        python experiments/sanitize_kernels.py --sums cluster --own --dtypes float32 --shapes 2
+Under the sanitizers one shape in one dtype takes about a minute (every variant is compiled and
+instrumented); --dtypes and --shapes split a run over several calls.
 """
 from __future__ import annotations
 
