@@ -102,14 +102,14 @@ def variants():
                     for make in makes:
                         d = make(bt, kind, perm, bias, vkind=0)
                         out.append((d.py_func.__name__, d, _sig([el, "int32", "int32", "float32", "int32", el, vb], 3)))
-                for sums in (None, "atomic", "cluster"):
+                for sums in SPMM_SUMS:
                     for rows4, own in _WIDE_MODES:
                         d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own,
                                                           threads=_threads(own), per_lane=_per_lane(), vkind=0)
                         out.append((d.py_func.__name__, d,
                                     _sig([el, "int32", "int32", "float32", "int32", "float32" if _fp32_sums(sums) else el, vb,
                                           el, el, el], 7)))
-            for sums in (None, "atomic", "cluster"):
+            for sums in SPMM_SUMS:
                 for with_db in (False, True):
                     d = kernels.make_spmm_wide_kernel(kind, True, sums, False, False, True, with_db, vkind=0)
                     out.append((d.py_func.__name__, d,
