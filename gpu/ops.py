@@ -613,8 +613,8 @@ def _cluster_fit(kern, wp, ntiles: int, n_rows: int, threads: int, device, dtype
 
 def _wide_dtypes(kind: int, vkind, idx_dtype, fused: bool) -> list:
     """The torch dtypes of a wide SpMM kernel's ten array arguments (x, segments, index, values,
-    permutation, y, bias or the fused dv, three more of x's kind), for `_cluster_fit`; vkind: the
-    values' kind, None when it is x's."""
+    permutation, y, bias, xf, dv, db; the fused backward's unread bias of x's kind) as the ops
+    pass them, for `_cluster_fit`; vkind: the values' kind, None when it is x's."""
     xd = _TORCH_KIND[kind]
     vd = xd if vkind is None else _TORCH_KIND[vkind]
     return [xd, torch.int32, idx_dtype, vd, torch.int32, xd, xd if fused else vd, xd, xd, xd]
