@@ -64,6 +64,7 @@ __all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "choose_
            "WIDE_DENSITY", "MIXED_VALUES"]
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_TORCH_KIND = tuple(_KIND)  # kind -> dtype
 # The SpMMs (forward, transposed, fused backward) take float32 values and bias with float16 or
 # bfloat16 activations (see the module docstring).
 MIXED_VALUES = True
@@ -582,9 +583,6 @@ def _chunk_sums(mode: str, nsplit: int, device) -> Optional[str]:
     if wanted and nsplit <= CLUSTER_MAX and clusters_supported(device):
         return "cluster"
     return mode
-
-
-_TORCH_KIND = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _cluster_fit(kern, wp, ntiles: int, n_rows: int, threads: int, device, dtypes):
