@@ -21,6 +21,13 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
 from experiments.bench_kernels import require_gpu  # noqa: E402
 
 
+# (out, in, B, density) of W and the batch: odd shapes; with --staging, full 32-row batch tiles
+# and runs of 32 columns
+SHAPES = [(37, 53, 1, 0.3), (23, 41, 2, 0.2), (64, 29, 3, 0.2), (19, 77, 9, 0.5), (5, 40, 33, 0.9),
+          (70, 11, 70, 0.1)]
+STAGING_SHAPES = [(5, 40, 33, 0.9), (21, 70, 64, 0.4), (9, 96, 45, 0.5)]
+
+
 def _run_ops(G, x, dy, t, v, bias, B, tiled, opts, dt, refs):
     """Every op once with launch options `opts` (forward with and without bias, dX, SDDMM with
     and without db, and for B <= 32 the fused backward); the worst relative error against the
@@ -65,13 +72,8 @@ def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=Fa
     partial_sums, cluster_sums = ops.PARTIAL_SUMS, ops.CLUSTER_SUMS
     from snack.core.reference import sddmm_reference, spmm_reference, spmm_t_reference
     worst = 0.0
-    shapes_at = shapes
-    shapes = [(37, 53, 1, 0.3), (23, 41, 2, 0.2), (64, 29, 3, 0.2), (19, 77, 9, 0.5),
-              (5, 40, 33, 0.9), (70, 11, 70, 0.1)]
-    if staging:
-        shapes = [(5, 40, 33, 0.9), (21, 70, 64, 0.4), (9, 96, 45, 0.5)]
-    if shapes_at is not None:
-        shapes = [shapes[k] for k in shapes_at]
+    run_shapes = STAGING_SHAPES if staging else SHAPES
+    shapes = run_shapes if shapes is None else [run_shapes[k] for k in shapes]
     runs = [(mode, shape) for mode in (sums[:1] if tiled else sums) for shape in shapes]
     for n, (mode, (o, i, B, d)) in enumerate(runs):
         print(f"[{n + 1}/{len(runs)}] sums={mode} W {o} x {i}, B = {B}, density {d}", flush=True)
@@ -166,7 +168,7 @@ def cli(argv=None):
     a = ap.parse_args(argv)
     if a.tiled + a.own + a.staging + a.mixed > 1:
         ap.error("give at most one of --tiled, --own, --staging, --mixed")
-    n_shapes = 3 if a.staging else 6
+    n_shapes = len(STAGING_SHAPES if a.staging else SHAPES)
     if a.shapes is not None and not all(0 <= k < n_shapes for k in a.shapes):
         ap.error(f"--shapes: positions must be in [0, {n_shapes}) for this run, got {a.shapes}")
     run_dtypes = {"float16", "bfloat16"} if a.mixed else {"float32", "float16"} if a.staging else None
