@@ -94,6 +94,18 @@ def variants():
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "uint16", el, "int32", "float32" if _fp32_sums(sums) else el, el,
                                       el, el, el], 7)))
+        if kind:  # the transposed SpMMs with a uint16 row index in half precision and mixed (float32
+            # values): one variant per family, the one dX takes by default (the code is float32's
+            # but for the dtypes, which these compile)
+            for vk, vel in ((None, el), (0, "float32")):
+                d = kernels.make_spmm_own_kernel(8, kind, True, False, True, vkind=vk)
+                out.append((d.py_func.__name__, d, _sig([el, "int32", "uint16", vel, "int32", el, vel], 3)))
+                d = kernels.make_spmm_wide_kernel(kind, True, "atomic", False, True, vkind=vk)
+                out.append((d.py_func.__name__, d, _sig([el, "int32", "uint16", vel, "int32", "float32", vel,
+                                                         el, el, el], 7)))
+                d = kernels.make_spmm_wide_kernel(kind, True, "atomic", False, True, True, True, vkind=vk)
+                out.append((d.py_func.__name__, d, _sig([el, "int32", "uint16", vel, "int32", "float32", el,
+                                                         el, el, el], 7)))
         if kind:  # mixed precision: float32 values (and bias) with half x / dy, in the three SpMMs
             for perm, bias in ((False, False), (True, False), (False, True)):
                 vb = "float32"  # the bias argument (the values stand in for it without a bias)
