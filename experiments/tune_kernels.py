@@ -9,6 +9,11 @@ in gpu/ops.py (`choose_tile`, `WIDE_FROM`, `_wide_plan`).
 With `--wide-modes` the 32-wide SpMMs are also timed in each row mode named (`snack.gpu.ops.wide_mode`:
 auto = the defaults, warp, rows4, own), e.g. the A/B behind `ops.WIDE_OWN`:
 `--batch 32,128 --bt 8 --threads 1024 --chunks auto --split auto --wide-modes warp,own`.
+`--own-threads` also sweeps the block size the lane-owned wide SpMMs are compiled and launched
+with (`ops.WIDE_OWN_THREADS`, its launch bound, so 65536 / threads registers per thread), e.g.
+`--batch 32,64 --bt 8 --threads 1024 --chunks 4,5,6 --split auto --wide-modes own
+--own-threads 512,640,768` (640 threads keep 96 registers; with 5 chunks a block's 158 rows make
+1.97 rows per group of 8 lanes, as 125 rows over 64 groups do at 512).
 
 Usage: python experiments/tune_kernels.py [--sparsity 0.9,0.99] [--batch 8,32,128] [--csv out.csv]
 """
@@ -43,9 +48,15 @@ def main(argv=None):
     ap.add_argument("--wide-from", type=int, default=16, help="smallest B for which wide settings are tried")
     ap.add_argument("--wide-modes", default="auto",
                     help="row modes of the wide SpMMs to time (auto,warp,rows4,own; see ops.wide_mode)")
+    ap.add_argument("--own-threads", default="auto",
+                    help="block sizes of the lane-owned wide SpMMs (ops.WIDE_OWN_THREADS; auto: the default), "
+                         "multiples of 32 up to 1024; --threads must be at least as large")
     ap.add_argument("--ops", default="fwd,dx,sddmm")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
+    own_threads = _ints(args.own_threads)
+    if not all(t is None or (32 <= t <= 1024 and t % 32 == 0) for t in own_threads):
+        ap.error(f"--own-threads: block sizes must be multiples of 32 in [32, 1024], got {args.own_threads}")
     require_gpu("tune_kernels.py")
     from triton.testing import do_bench_cudagraph
     import snack.gpu as G
@@ -82,48 +93,57 @@ def main(argv=None):
             t_dense = bench(lambda: torch.mm(x, wdf.T, out=y))
             configs = [dict(bt=bt, wide=False) for bt in _ints(args.bt) if bt == 1 or bt <= 2 * B]
             if B >= args.wide_from:
-                configs += [dict(wide=True, chunks=ch, split=s, mode=m) for ch in _ints(args.chunks)
-                            for s in _ints(args.split) for m in modes]
+                configs += [dict(wide=True, chunks=ch, split=s, mode=m, own=ot) for ch in _ints(args.chunks)
+                            for s in _ints(args.split) for m in modes for ot in own_threads]
             for cfg in configs:
                 mode = cfg.pop("mode", "auto")
+                own = cfg.pop("own", None)
+                knobs = (gops.WIDE_OWN_THREADS, gops.WIDE_OWN_BOUND)
+                if own is not None:
+                    gops.WIDE_OWN_THREADS = own
+                    gops.WIDE_OWN_BOUND = None
                 sd_cfg = {k: v for k, v in cfg.items() if k != "split"}
-                for th in _ints(args.threads):
-                    res = {}
-                    failed = False
-                    with gops.wide_mode(mode):
-                        try:
-                            y.fill_(float("nan"))
-                            dx.fill_(float("nan"))
-                            G.spmm(x, topo, v, out=y, threads=th, **cfg)
-                            G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg)
-                            checks = [("fwd", y, yref), ("dx", dx, dxref)]
-                            if "sddmm" in ops:
-                                dv.fill_(float("nan"))
-                                G.sddmm(dy, x, topo, out=dv, threads=th, **sd_cfg)
-                                checks.append(("sddmm", dv, dvref))
-                            for name, got, ref in checks:
-                                err = ((got.double() - ref).norm() / ref.norm()).item()
-                                if not err < 1e-5:
-                                    raise AssertionError(f"{name} relative error {err}")
-                            fns = {"fwd": lambda: G.spmm(x, topo, v, out=y, threads=th, **cfg),
-                                   "dx": lambda: G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg),
-                                   "sddmm": lambda: G.sddmm(dy, x, topo, out=dv, threads=th, **sd_cfg)}
-                            for op in ops:
-                                res[op] = bench(fns[op])
-                        except Exception as e:  # noqa: BLE001
-                            print("failed:", cfg, mode, th, repr(e)[:200])
-                            failed = True
-                    if failed:
-                        continue
-                    if cfg["wide"]:
-                        name = f"wide c{cfg['chunks'] or 'a'} s{cfg['split'] or 'a'}"
-                        name += "" if mode == "auto" else f" {mode}"
-                    else:
-                        name = f"bt{cfg['bt']}"
-                    rows.append(dict(meta, shape=args.shape, sparsity=sp, batch=B, config=name, threads=th,
-                                     dense=t_dense, **res))
-                    print(f"{sp:5} {B:4} {name:>16} {th:5} " + " ".join(f"{res.get(o, float('nan')):8.2f}"
-                          for o in ("fwd", "dx", "sddmm")) + f"   {t_dense:8.2f}", flush=True)
+                try:
+                    for th in _ints(args.threads):
+                        res = {}
+                        failed = False
+                        with gops.wide_mode(mode):
+                            try:
+                                y.fill_(float("nan"))
+                                dx.fill_(float("nan"))
+                                G.spmm(x, topo, v, out=y, threads=th, **cfg)
+                                G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg)
+                                checks = [("fwd", y, yref), ("dx", dx, dxref)]
+                                if "sddmm" in ops:
+                                    dv.fill_(float("nan"))
+                                    G.sddmm(dy, x, topo, out=dv, threads=th, **sd_cfg)
+                                    checks.append(("sddmm", dv, dvref))
+                                for name, got, ref in checks:
+                                    err = ((got.double() - ref).norm() / ref.norm()).item()
+                                    if not err < 1e-5:
+                                        raise AssertionError(f"{name} relative error {err}")
+                                fns = {"fwd": lambda: G.spmm(x, topo, v, out=y, threads=th, **cfg),
+                                       "dx": lambda: G.spmm_t(dy, topo, v, out=dx, threads=th, **cfg),
+                                       "sddmm": lambda: G.sddmm(dy, x, topo, out=dv, threads=th, **sd_cfg)}
+                                for op in ops:
+                                    res[op] = bench(fns[op])
+                            except Exception as e:  # noqa: BLE001
+                                print("failed:", cfg, mode, th, repr(e)[:200])
+                                failed = True
+                        if failed:
+                            continue
+                        if cfg["wide"]:
+                            name = f"wide c{cfg['chunks'] or 'a'} s{cfg['split'] or 'a'}"
+                            name += "" if mode == "auto" else f" {mode}"
+                            name += "" if own is None else f" o{own}"
+                        else:
+                            name = f"bt{cfg['bt']}"
+                        rows.append(dict(meta, shape=args.shape, sparsity=sp, batch=B, config=name, threads=th,
+                                         dense=t_dense, **res))
+                        print(f"{sp:5} {B:4} {name:>16} {th:5} " + " ".join(f"{res.get(o, float('nan')):8.2f}"
+                              for o in ("fwd", "dx", "sddmm")) + f"   {t_dense:8.2f}", flush=True)
+                finally:
+                    gops.WIDE_OWN_THREADS, gops.WIDE_OWN_BOUND = knobs
     if args.csv and rows:
         write_csv(args.csv, rows, fieldnames=sorted({k for r in rows for k in r}, key=list(rows[0]).index))
         print(f"wrote {args.csv}")

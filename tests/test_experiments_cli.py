@@ -174,8 +174,10 @@ def test_gpu_scripts_say_they_need_a_gpu(module, call):
 
 @no_gpu
 def test_gpu_scripts_check_their_options_first(capsys):
-    from experiments import profile_launch, sanitize_kernels
+    from experiments import profile_launch, sanitize_kernels, tune_kernels
     assert "--cprofile applies" in _usage_error(capsys, profile_launch.main, ["--cprofile"])
+    for bad in ("500", "640,2048", "0"):
+        assert "multiples of 32 in [32, 1024]" in _usage_error(capsys, tune_kernels.main, ["--own-threads", bad])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--tiled", "--own"])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--mixed", "--staging"])
     assert "positions must be in [0, 6)" in _usage_error(capsys, sanitize_kernels.cli, ["--shapes", "0", "6"])
