@@ -57,7 +57,7 @@ def validate_coo(indices: torch.Tensor, values: Optional[torch.Tensor], shape) -
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
-        raise TypeError(f"indices must have an integer dtype (int32 or int64), got {indices.dtype}")
+        raise TypeError(f"indices must have an integer dtype (int32, int64, int16 or uint8), got {indices.dtype}")
     if indices.dim() != 2 or indices.shape[0] != 2:
         raise ValueError(f"indices must have shape (2, nnz), got {tuple(indices.shape)}")
     nnz = indices.shape[1]

@@ -5,8 +5,9 @@ Parameters and buffers (all that a state_dict holds):
     indices  buffer int32 (2, nnz) [0] output (row) index, [1] input (column) index, sorted
                                    row-major, each coordinate once
     bias     nn.Parameter (out_features,) or None
-Because `values` is an ordinary dense parameter, every torch.optim optimizer, gradient clipping,
-AMP's GradScaler and DDP work unchanged; the optimizer state is (nnz,) too.
+Because `values` is an ordinary dense parameter, the torch.optim optimizers (all but Muon, which
+takes only 2-D weights), gradient clipping, AMP's GradScaler and DDP work unchanged; the
+optimizer state is (nnz,) too.
 Trade-off: the number of connections is fixed at construction (dynamic sparse training changes
 which connections, never how many), which keeps every buffer's shape and address stable, so a
 training step can be captured once in a CUDA graph and replayed. The one exception is
@@ -24,7 +25,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from snack.core import INDEX_DTYPE, density_to_nnz, uniform_indices
+from snack.core import INDEX_DTYPE, canonicalize, density_to_nnz, uniform_indices
 from .functional import sparse_linear
 
 __all__ = ["SparseLinear"]
@@ -194,12 +195,30 @@ class SparseLinear(nn.Module):
             _static_address(self._buffers["indices"])
         return out
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # the weight's shape goes with the checkpoint, in its metadata (no tensor of its own, so
+        # the keys stay values / indices / bias): a checkpoint of another shape is refused on load
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        meta = getattr(destination, "_metadata", None)
+        if meta is not None and isinstance(meta.get(prefix[:-1]), dict):
+            meta[prefix[:-1]]["weight_shape"] = (self.out_features, self.in_features)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # A checkpoint may hold another number of connections than this layer (a layer built by
         # from_dense or with another sparsity): the layer takes the checkpoint's. values and
         # indices are resized here (same Parameter object, same dtype and device) and then
         # filled by the default copy; indices stay int32 (an int64 checkpoint is cast).
+        # A checkpoint is refused before anything changes when its weight has another shape
+        # (from its metadata; a state_dict copied into a plain dict has none, and is checked by
+        # its index range only) or its indices are not canonical (sorted row-major, each
+        # coordinate once).
+        shape = local_metadata.get("weight_shape") if isinstance(local_metadata, dict) else None
+        if shape is not None and tuple(shape) != (self.out_features, self.in_features):
+            error_msgs.append(f"size mismatch for {prefix}indices: the checkpoint's weight is "
+                              f"{shape[0]} x {shape[1]} (out x in), this layer's {self.out_features} x "
+                              f"{self.in_features}")
+            return
         idx = state_dict.get(prefix + "indices")
         val = state_dict.get(prefix + "values")
         if isinstance(idx, torch.Tensor) and isinstance(val, torch.Tensor):
@@ -225,6 +244,20 @@ class SparseLinear(nn.Module):
                         f"{prefix}indices hold rows {lo[0]}..{hi[0]} and columns {lo[1]}..{hi[1]}, outside this "
                         f"layer's {self.out_features} x {self.in_features} weight (a checkpoint of another shape?)")
                     return
+                if nnz > 1:
+                    i64 = idx.to(torch.int64)
+                    key = i64[0] * self.in_features + i64[1]
+                    if not bool((key[1:] > key[:-1]).all()):
+                        try:  # names a duplicated coordinate if there is one
+                            canonicalize(i64, (self.out_features, self.in_features))
+                        except ValueError as e:
+                            error_msgs.append(f"{prefix}indices: {e}")
+                            return
+                        error_msgs.append(
+                            f"{prefix}indices are not in canonical row-major order (sorted by row, then "
+                            "column); sort the checkpoint's indices and values with "
+                            "snack.core.canonicalize(indices, shape, values)")
+                        return
             if nnz != self.nnz:
                 # (ordinary tensors even under torch.inference_mode: the layer must stay trainable
                 # and its topology cacheable)
@@ -289,8 +322,10 @@ class SparseLinear(nn.Module):
                                      f"{mask[odd].flatten()[0].item()!r} (e.g. at {tuple(odd.nonzero()[0].tolist())})")
             keep = mask.to(device=wd.device) != 0
             idx = keep.nonzero().t()                       # row-major order
+            _warn_if_empty(idx.shape[1], (out_f, in_f), "the mask keeps no entry")
         elif sparsity is None:
             idx = (wd != 0).nonzero().t()
+            _warn_if_empty(idx.shape[1], (out_f, in_f), "the weight has no non-zero entry")
         else:
             sparsity = _check_sparsity(sparsity)
             nan = torch.isnan(wd)

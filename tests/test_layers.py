@@ -221,6 +221,10 @@ def test_construction_checks_dtype_warns_when_empty_and_takes_numpy_ints():
         assert SparseLinear(2, 2, sparsity=0.9).nnz == 0
     with pytest.warns(UserWarning, match="holds no connection"):
         assert SparseLinear.from_dense(torch.randn(2, 3), sparsity=0.95).nnz == 0
+    with pytest.warns(UserWarning, match="holds no connection .the mask keeps no entry"):
+        assert SparseLinear.from_dense(torch.randn(2, 3), mask=torch.zeros(2, 3, dtype=torch.bool)).nnz == 0
+    with pytest.warns(UserWarning, match="holds no connection .the weight has no non-zero entry"):
+        assert SparseLinear.from_dense(torch.zeros(2, 3)).nnz == 0
     layer = SparseLinear(np.int64(5), np.int32(3), sparsity=0.0)
     assert type(layer.in_features) is int and layer.nnz == 15
     assert SparseLinear(5, 4, sparsity=torch.tensor(0.5)).nnz == 10  # a 0-d tensor
@@ -276,11 +280,12 @@ def test_state_dict_of_another_nnz_loads():
         opt = torch.optim.Adam(dst.parameters())
         dst(x).sum().backward()
         opt.step()
-    # a checkpoint of another shape is refused before anything changes: indices out of range,
-    # or in range but with a bias of another size (a 7 x 10 checkpoint into an 8 x 10 layer)
-    for layer, ckpt, msg in ((SparseLinear(5, 4, sparsity=0.5), SparseLinear(9, 4, sparsity=0.3).state_dict(),
+    # a checkpoint of another shape, copied into a plain dict (without the metadata that names
+    # its shape), is refused before anything changes: indices out of range, or in range but with
+    # a bias of another size (a 7 x 10 checkpoint into an 8 x 10 layer)
+    for layer, ckpt, msg in ((SparseLinear(5, 4, sparsity=0.5), dict(SparseLinear(9, 4, sparsity=0.3).state_dict()),
                               "outside this layer's 4 x 5 weight"),
-                             (SparseLinear(10, 8, sparsity=0.8), SparseLinear(10, 7, sparsity=0.3).state_dict(),
+                             (SparseLinear(10, 8, sparsity=0.8), dict(SparseLinear(10, 7, sparsity=0.3).state_dict()),
                               "size mismatch for bias"),
                              (SparseLinear(20, 12, bias=False), src.state_dict(), "Unexpected key")):
         before = {k: v.clone() for k, v in layer.state_dict().items()}
@@ -300,6 +305,42 @@ def test_state_dict_of_another_nnz_loads():
     bad = dict(src.state_dict(), values=src.values.detach()[:-1])
     with pytest.raises(RuntimeError, match=r"expected shapes \(2, nnz\) and \(nnz,\)"):
         SparseLinear(20, 12).load_state_dict(bad)
+
+
+def test_state_dict_of_another_shape_or_order_is_refused(tmp_path):
+    # the weight's shape travels in the checkpoint's metadata (also through torch.save / load):
+    # a narrower or shorter layer's checkpoint, whose indices all fit, is refused like
+    # nn.Linear's; indices that are unsorted or hold a coordinate twice are refused at load,
+    # not at the next forward; in every case the layer is left as it was
+    torch.manual_seed(9)
+    src = SparseLinear(5, 7, sparsity=0.3)
+    sd = src.state_dict()
+    assert sd._metadata[""]["weight_shape"] == (7, 5)
+    torch.save(sd, tmp_path / "sd.pt")
+    loaded = torch.load(tmp_path / "sd.pt")
+    nested = nn.Sequential(nn.Linear(3, 5), SparseLinear(5, 7, sparsity=0.3)).state_dict()
+    assert nested._metadata["1"]["weight_shape"] == (7, 5)
+    flipped = dict(sd, indices=sd["indices"].flip(1).contiguous(), values=sd["values"].flip(0))
+    twice = {k: v.clone() for k, v in sd.items()}
+    twice["indices"][:, 1] = twice["indices"][:, 0]
+    cases = ((SparseLinear(10, 7), sd, "checkpoint's weight is 7 x 5 .* this layer's 7 x 10"),
+             (SparseLinear(10, 7), loaded, "checkpoint's weight is 7 x 5"),
+             (SparseLinear(5, 9, bias=False), SparseLinear(5, 7, bias=False).state_dict(), "7 x 5"),
+             (SparseLinear(5, 7), flipped, "not in canonical row-major order"),
+             (SparseLinear(5, 7), twice, "duplicated coordinate"))
+    x = torch.randn(2, 5)
+    for layer, ckpt, msg in cases:
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        with pytest.raises(RuntimeError, match=msg):
+            layer.load_state_dict(ckpt)
+        for k, v in layer.state_dict().items():
+            assert torch.equal(v, before[k]), k
+    # the same shape loads, from the file too, and a plain dict without metadata still loads
+    for ckpt in (sd, loaded, dict(sd)):
+        dst = SparseLinear(5, 7, sparsity=0.6)
+        dst.load_state_dict(ckpt)
+        assert torch.equal(dst(x), src(x))
+    nn.Sequential(nn.Linear(3, 5), SparseLinear(5, 7, sparsity=0.8)).load_state_dict(nested)
 
 
 def test_indices_made_under_inference_mode_are_never_stale():
