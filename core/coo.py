@@ -83,12 +83,15 @@ def validate_coo(indices: torch.Tensor, values: Optional[torch.Tensor], shape) -
     return rows, cols
 
 
-def canonicalize(indices: torch.Tensor, shape, values: Optional[torch.Tensor] = None):
+def canonicalize(indices: torch.Tensor, shape, values: Optional[torch.Tensor] = None, *,
+                 check: bool = True):
     """Sorts (indices, values) row-major; raises ValueError on a duplicated coordinate.
 
-    Returns (indices int32 (2, nnz), values or None, already_sorted: bool).
+    Returns (indices int32 (2, nnz), values or None, already_sorted: bool). The input is checked
+    first as by `validate_coo` (dtype, shapes, indices in range), unless `check=False` (callers
+    that have just validated it).
     """
-    rows, cols = _check_shape(shape)
+    rows, cols = validate_coo(indices, values, shape) if check else _check_shape(shape)
     idx64 = indices.to(torch.int64)
     key = idx64[0] * max(cols, 1) + idx64[1]
     if key.numel() <= 1 or bool((key[1:] > key[:-1]).all()):
@@ -263,9 +266,11 @@ class COO:
                 validate_coo(topology.indices, values, topology.shape)
             return
         if check:
+            if values is None:
+                raise TypeError("values must be a floating tensor (nnz,), got None")
             shape = validate_coo(indices, values, shape)
             given = indices
-            indices, values, _ = canonicalize(indices, shape, values)
+            indices, values, _ = canonicalize(indices, shape, values, check=False)
             if indices.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
                 # canonical int32 input comes back as is: own a copy, so that a later change of
                 # the caller's tensor cannot reach the validated pattern (kernels trust it)
@@ -343,6 +348,7 @@ class COO:
             raise ValueError(f"dense must be 2-D, got shape {tuple(dense.shape)}")
         if dense.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dense must be a floating tensor (float16/bfloat16/float32/float64), got {dense.dtype}")
+        _check_shape(tuple(dense.shape))  # (int32 indices: each dimension below 2**31)
         if mask is None:
             mask = dense != 0
         else:
@@ -369,6 +375,8 @@ class COO:
         import scipy.sparse as sp
         if not sp.issparse(mat):
             raise TypeError(f"mat must be a scipy.sparse matrix or array, got {type(mat).__name__}")
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dtype must be a floating dtype (float16/bfloat16/float32/float64), got {dtype!r}")
         m = mat.tocoo()
         idx = torch.from_numpy(np.stack([m.row, m.col]).astype(np.int64))
         vals = torch.from_numpy(np.asarray(m.data)).to(dtype)
@@ -427,6 +435,10 @@ class COO:
         rows, cols = _check_shape(shape)
         if seed is not None and generator is not None:
             raise ValueError("give seed or generator, not both")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype must be a floating dtype (float16/bfloat16/float32/float64), got {dtype!r}")
         if generator is None:  # without a seed, draw one from torch's global generator

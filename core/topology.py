@@ -47,7 +47,9 @@ def sample_distinct(n: int, k: int, g: torch.Generator) -> torch.Tensor:
 
     For k <= n / 2 by rejection of repeats (a few rounds of torch.unique on ~1.1 k draws, memory
     O(k)); above, by drawing the n - k values left out (then n < 2 k, so the complement is O(k))."""
-    if k <= 0:
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, n] = [0, {n}] (distinct values), got {k}")
+    if k == 0:
         return torch.empty(0, dtype=torch.int64)
     if k > n // 2:
         left_out = sample_distinct(n, n - k, g)

@@ -254,6 +254,8 @@ class DynamicSparseTraining:
             raise ValueError(f"decay must be one of {_DECAYS}, got {decay!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        if seed is not None and not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits (torch.Generator.manual_seed), got {seed}")
 
         names = {id(m): n for n, m in model.named_modules()}
         #: (name, layer) of the SparseLinear layers left alone because they are frozen
@@ -460,7 +462,7 @@ class DynamicSparseTraining:
             return None
         f = self.drop_fraction_at(t)
         summary = UpdateSummary(step=t, drop_fraction=f)
-        skipped = []
+        skipped, frozen = [], []
         try:
             with torch.no_grad(), self._no_autocast():
                 missing = set()
@@ -481,7 +483,7 @@ class DynamicSparseTraining:
                     if work is not None:
                         self._rewire(layer, *work)
                     if row.skipped:
-                        skipped.append(name or "<model>")
+                        (frozen if row.skipped == "frozen" else skipped).append(name or "<model>")
                     summary.layers.append(row)
         finally:
             self._captured.clear()
@@ -490,6 +492,10 @@ class DynamicSparseTraining:
                           f"{', '.join(skipped)} (run forward and backward of the step before "
                           "dst.step()); their connections were left unchanged", RuntimeWarning,
                           stacklevel=2)
+        if frozen:
+            warnings.warn(f"{type(self).__name__} step {t}: layer(s) {', '.join(frozen)} are frozen "
+                          "(values.requires_grad is False) and kept their connections: regrown ones "
+                          "would start at 0 and never train", RuntimeWarning, stacklevel=2)
         self.last_update = summary
         return summary
 
@@ -593,6 +599,9 @@ class DynamicSparseTraining:
         row = LayerUpdate(name=name, shape=(out_f, in_f), nnz=nnz, dropped=0, grown=0)
         if nnz == 0 or free == 0 or f <= 0.0:
             return row, None
+        if not layer.values.requires_grad:  # frozen since construction: as the constructor would
+            row.skipped = "frozen"
+            return row, None
         if self.needs_gradient and id(layer) in missing:  # (missing: from _check_finite, with f > 0)
             row.skipped = "no gradient captured"
             return row, None
@@ -677,9 +686,18 @@ class DynamicSparseTraining:
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, Integral) or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
+        seed = state.get("seed", self.seed)
+        if isinstance(seed, bool) or not isinstance(seed, Integral):
+            raise TypeError(f"state['seed'] must be an int, got {type(seed).__name__}")
+        rng = state["rng_state"]
+        try:  # checked on a scratch generator first, so that nothing changes on a bad state
+            torch.Generator().set_state(rng)
+        except (TypeError, RuntimeError) as e:
+            raise TypeError(f"state['rng_state'] is not a CPU generator state from "
+                            f"torch.Generator.get_state() ({e})") from None
+        self._gen.set_state(rng)
         self._step = int(step)
-        self._gen.set_state(state["rng_state"])
-        self.seed = int(state.get("seed", self.seed))
+        self.seed = int(seed)
         self._captured.clear()
 
     def __repr__(self) -> str:

@@ -472,6 +472,9 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (..., in_features), got a scalar")
     in_f = x.shape[-1]
+    if in_features is not None and type(in_features) is not int and (
+            isinstance(in_features, bool) or not isinstance(in_features, Integral)):
+        raise TypeError(f"in_features must be an int or None, got {type(in_features).__name__}")
     if in_features is not None and in_f != in_features:
         raise ValueError(f"x must have shape (..., {in_features}) (last dim = in_features), "
                          f"got {tuple(x.shape)}")

@@ -160,6 +160,21 @@ def test_canonicalize_reports_sorted():
         assert already
 
 
+@pytest.mark.parametrize("indices, values, exc, match", [
+    (torch.tensor([[0], [2**32 + 1]]), None, ValueError, r"indices\[1\] .* must lie in \[0, 4\)"),
+    (torch.tensor([[0, 0], [-1, 2]]), None, ValueError, r"indices\[1\] .* must lie in"),
+    (torch.tensor([[1, 0], [0, 4]]), None, ValueError, r"indices\[1\] .* must lie in"),  # not a false duplicate
+    (torch.tensor([[0.5, 1.7], [1.2, 0.0]]), None, TypeError, "integer dtype"),
+    (torch.tensor([0, 1]), None, ValueError, r"shape \(2, nnz\)"),
+    (torch.tensor([[0, 1], [0, 1]]), torch.tensor([1.0]), ValueError, r"values must have shape \(2,\)"),
+])
+def test_canonicalize_checks_its_input(indices, values, exc, match):
+    # a public entry point (the errors of sparse_linear and load_state_dict point to it): bad
+    # input is refused, never wrapped, truncated or passed on as canonical
+    with pytest.raises(exc, match=match):
+        canonicalize(indices, (3, 4), values)
+
+
 # ---- metadata vs scipy ------------------------------------------------------------------------
 @pytest.mark.parametrize("shape, density", [((7, 96), 0.2), ((40, 333), 0.05), ((1, 1), 1.0),
                                             ((33, 17), 0.0), ((50, 3), 0.5), ((3, 50), 0.5)])
@@ -292,6 +307,20 @@ def test_scipy_errors_and_half_precision():
     np.testing.assert_array_equal(m.toarray(), c.to_dense().double().numpy())
     with pytest.raises(ValueError, match="format"):
         c.to_scipy("csc")
+    with pytest.raises(TypeError, match="dtype must be a floating dtype"):
+        COO.from_scipy(sp.eye(3, format="csr"), dtype=torch.int64)
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(TypeError, match="values must be a floating tensor"):
+        COO(torch.tensor([[0], [1]]), None, (3, 4))
+    with pytest.raises(TypeError, match="seed must be an int"):
+        COO.random((3, 4), nnz=3, seed=1.5)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        COO.random((3, 4), nnz=3, generator=5)
+    wide = torch.zeros(1, 1).expand(1, 2**31 + 5)  # (a view: no memory of that size)
+    with pytest.raises(ValueError, match=r"shape\[cols\] must be in \[0, 2\*\*31 - 1\]"):
+        COO.from_dense(wide)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -519,6 +519,9 @@ def test_rank_sampling_helpers():
         s = _sample_distinct(n, k, g)
         assert s.numel() == k and torch.equal(s, torch.unique(s))
         assert k == 0 or (int(s.min()) >= 0 and int(s.max()) < n)
+    for n, k in ((5, 6), (5, -1)):
+        with pytest.raises(ValueError, match="k must be in"):
+            _sample_distinct(n, k, g)
     counts = torch.zeros(10)
     for _ in range(3000):
         counts[_sample_distinct(10, 3, g)] += 1
@@ -592,6 +595,17 @@ def test_bad_rigl_block_and_state_dict():
         dst.load_state_dict({"step": 3})
     with pytest.raises(ValueError, match="step"):
         dst.load_state_dict({"step": -1, "rng_state": dst.state_dict()["rng_state"]})
+    # a bad state changes nothing (the step count, the generator and the seed stay as they were)
+    sd = dst.state_dict()
+    for bad, exc, match in (({"rng_state": torch.zeros(3)}, TypeError, r"state\['rng_state'\]"),
+                            ({"rng_state": sd["rng_state"].float()}, TypeError, r"state\['rng_state'\]"),
+                            ({"seed": "x"}, TypeError, r"state\['seed'\] must be an int")):
+        with pytest.raises(exc, match=match):
+            dst.load_state_dict({**sd, "step": 9, **bad})
+        assert dst.num_steps == sd["step"] and dst.seed == sd["seed"]
+        assert torch.equal(dst._gen.get_state(), sd["rng_state"])
+    with pytest.raises(ValueError, match="seed must fit in 64 bits"):
+        SET(m, opt, seed=2**70)
 
 
 def test_public_names():
@@ -674,6 +688,17 @@ def test_frozen_layers_keep_their_pattern(cls):
         dst.step()
     assert torch.equal(before[0], l1.indices)
     assert not torch.equal(before[1], l2.indices) and not torch.equal(before[2], l3.indices)
+    # frozen after the DST was built: left alone from then on, with a warning naming it
+    l2.values.requires_grad_(False)
+    frozen = l2.indices.clone()
+    for x, y in _data(1):
+        opt.zero_grad()
+        _train_step(model, opt, x, y)
+        with pytest.warns(RuntimeWarning, match="layer.s. 2 are frozen"):
+            summary = dst.step()
+    assert torch.equal(frozen, l2.indices) and not torch.equal(before[2], l3.indices)
+    assert [r.skipped for r in summary.layers] == ["frozen", ""]
+    l2.values.requires_grad_(True)
     with pytest.raises(ValueError, match=r"layers\[0\] is frozen"):
         cls(model, opt, layers=[l1])
     for l in (l2, l3):

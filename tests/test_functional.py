@@ -197,6 +197,8 @@ def test_bad_inputs_raise():
         sparse_linear(x, idx, vals, 2)
     with pytest.raises(ValueError, match="in_features"):
         sparse_linear(x, idx, vals, 6, in_features=4)
+    with pytest.raises(TypeError, match="in_features must be an int or None, got str"):
+        sparse_linear(x, idx, vals, 6, in_features="a")
     with pytest.raises(TypeError, match="same dtype"):
         sparse_linear(x.float(), idx, vals, 6)
     with pytest.raises(ValueError, match="values must have shape"):
