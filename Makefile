@@ -114,7 +114,7 @@ figure-layer-snack-adam:
 bench-bf16:
 	$(PY) experiments/bench_kernels.py --quick --dtype bfloat16 --out $(KERNELS_BF16_CSV)
 	$(PY) experiments/plot_kernels.py --csv $(KERNELS_BF16_CSV) --out $(KERNELS_BF16_FIG)
-	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --autocast bfloat16 --out $(LAYER_BF16_CSV)
+	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --energy_seconds 1 --autocast bfloat16 --out $(LAYER_BF16_CSV)
 	$(PY) experiments/plot_layer.py --csv $(LAYER_BF16_CSV) --out $(LAYER_BF16_FIG)
 
 # Claim 7 (GPU): GPT-2 with 1 x 128 training tokens per step.

@@ -131,8 +131,8 @@ def parse_args(argv=None):
                                     "numbers in [0, 1)")
     args.batch_list = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "batch sizes >= 1")
     if args.out is None:
-        args.out = "results/bench_kernels" + ("_quick" if args.quick else "") + \
-            ("" if args.dtype == "float32" else f"_{args.dtype}") + ".csv"
+        args.out = str(ROOT / "results" / ("bench_kernels" + ("_quick" if args.quick else "") +
+                                           ("" if args.dtype == "float32" else f"_{args.dtype}") + ".csv"))
     return args
 
 

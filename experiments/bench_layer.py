@@ -14,7 +14,9 @@ same random pattern and values in every method:
 With --autocast bfloat16 (or float16) every method's forward runs under torch.autocast with that
 dtype, as a mixed-precision training loop runs it: the weights, their gradients and Adam stay
 float32, nn.Linear multiplies in the half dtype on the tensor cores (its weight cast every step),
-SparseLinear casts its values and runs the half-precision kernels (fp32 accumulation), cuSPARSE
+SparseLinear casts only x (on the GPU its kernels read the fp32 values beside half activations,
+accumulate in fp32 and write the output in the half dtype; on the CPU the math runs in fp32 and
+the result is returned in the half dtype), cuSPARSE
 takes a CSR copy of W in that dtype (autocast has no rule for sparse matmuls); dY is given in the
 autocast dtype. Autocast's weight-cast cache is off (CUDA-graph capture needs it off; each layer
 runs once per step, so the cache would save nothing).
@@ -100,12 +102,24 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="small layer, few repeats: a smoke test (explicit sizes still win)")
-    p.add_argument("--out", default=None, help="CSV path (default results/bench_layer[_cpu].csv)")
+    p.add_argument("--out", default=None,
+                   help="CSV path (default results/bench_layer[_cpu][_adam_fused|_snack_adam]"
+                        "[_autocast_<dtype>].csv: a run with another optimizer or autocast keeps the "
+                        "default run's CSV)")
     args = p.parse_args(argv)
     fill_unset(args, QUICK if args.quick else DEFAULTS)
+    if not 0.0 <= args.sparsity < 1.0:
+        p.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
+    for key in ("in_features", "out_features"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key} must be >= 1, got {getattr(args, key)}")
+    for key in ("warmup_ms", "rep_ms", "energy_seconds"):
+        if not getattr(args, key) > 0:
+            p.error(f"--{key} must be > 0, got {getattr(args, key)}")
     args.batch_list = comma_list(p, "batches", args.batches, int, lambda b: b >= 1, "batch sizes >= 1")
     if args.out is None:
         name = "bench_layer" + ("" if args.device == "cuda" else "_cpu") + \
+            ("" if args.optimizer == "adam" else "_" + args.optimizer.replace("-", "_")) + \
             ("" if args.autocast == "off" else f"_autocast_{args.autocast}") + ".csv"
         args.out = str(ROOT / "results" / name)
     return args

@@ -4,13 +4,17 @@
 the command line did not give; the options are declared with `default=argparse.SUPPRESS`, so an
 explicit value always wins over the preset.
 `comma_list(parser, name, text, conv, valid, what)`: a comma-separated option's values, or a
+usage error. `shape_arg(parser, name, text)`: an "OUTxIN" option as two positive ints, or a
 usage error.
 `csv_to_plot(path, default, writer)`: whether a plot script has its CSV, or one line saying why
 not.
+`read_rows(path, required, writer)`: a plot script's CSV rows, or one line saying why they
+cannot be drawn (not a CSV text, a CSV of another script, no rows).
 """
 from __future__ import annotations
 
 import argparse
+import csv
 from pathlib import Path
 
 
@@ -36,6 +40,23 @@ def comma_list(parser: argparse.ArgumentParser, name: str, text: str, conv, vali
     return vals
 
 
+def shape_arg(parser: argparse.ArgumentParser, name: str, text: str):
+    """(out, in) from the option --name's "OUTxIN" text (positive ints), or a usage error."""
+    parts = text.lower().split("x")
+    try:
+        out_f, in_f = (int(p) for p in parts)
+    except ValueError:
+        out_f = in_f = 0
+    if out_f < 1 or in_f < 1:
+        parser.error(f"--{name} must be OUTxIN with positive ints (e.g. 4096x4096), got {text!r}")
+    return out_f, in_f
+
+
+def auto_int(text: str):
+    """None for "auto", else int(text) (ValueError otherwise): a comma_list converter."""
+    return None if text.strip() == "auto" else int(text)
+
+
 def csv_to_plot(path, default, writer: str, hint: str = "") -> bool:
     """True when the CSV `path` exists. Without it: for the script's default CSV (not measured
     yet; `make figures` redraws what has been measured) prints that nothing is drawn and returns
@@ -48,3 +69,23 @@ def csv_to_plot(path, default, writer: str, hint: str = "") -> bool:
         return False
     raise SystemExit(f"{path} does not exist: give --csv a CSV written by experiments/{writer} "
                      f"(python experiments/{writer} --out {path} writes one{hint})")
+
+
+def read_rows(path, required, writer: str) -> list:
+    """The rows (dicts) of the CSV at `path`. Stops with one line naming `writer`, the script whose
+    CSV is expected, when the file is not CSV text, lacks a column of `required` (e.g. a CSV of
+    another script), or has no rows."""
+    hint = f"give --csv a CSV written by experiments/{writer}"
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            names = reader.fieldnames or []
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise SystemExit(f"{path} is not a readable CSV text file ({type(e).__name__}: {e}): {hint}") from None
+    missing = [c for c in required if c not in names]
+    if missing:
+        raise SystemExit(f"{path} lacks the column(s) {', '.join(missing)}: {hint}")
+    if not rows:
+        raise SystemExit(f"{path} has no rows")
+    return rows

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.bench_kernels import require_gpu, run_metadata  # noqa: E402
+from experiments.cli import comma_list, shape_arg  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 # (name, probe bits): see snack.gpu.kernels.make_spmm_wide_kernel(probe=)
@@ -39,6 +40,9 @@ def main(argv=None):
     ap.add_argument("--csv", default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    n_out, n_in = shape_arg(ap, "shape", args.shape)  # options checked before the GPU check
+    sparsities = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0 <= s < 1, "in [0, 1)")
+    batches = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "positive ints")
     require_gpu("decompose_wide.py")
     from triton.testing import do_bench_cudagraph
 
@@ -49,16 +53,15 @@ def main(argv=None):
     def bench(fn):
         return do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
-    n_out, n_in = (int(v) for v in args.shape.split("x"))
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(args.seed)
     meta = run_metadata("float32")  # in every CSV row
     rows = []
     real_zero = ops.zero
-    for sp in (float(s) for s in args.sparsity.split(",")):
+    for sp in sparsities:
         coo = COO.random((n_out, n_in), density=1.0 - sp, generator=gen, device=dev)
         topo, v = coo.topology, coo.values
-        for B in (int(b) for b in args.batch.split(",")):
+        for B in batches:
             x = torch.randn(B, n_in, device=dev)
             y = torch.empty(B, n_out, device=dev)
             y.fill_(float("nan"))

@@ -12,7 +12,6 @@ without the default CSV (not measured yet) nothing is drawn and the script says 
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.cli import csv_to_plot  # noqa: E402
+from experiments.cli import csv_to_plot, read_rows  # noqa: E402
 from experiments.plot_layer import _num  # noqa: E402
 
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask"}
@@ -38,10 +37,8 @@ def parse_args(argv=None):
 
 def load(path):
     """{(phase, method, sparsity): row} with numbers as floats, and the first row (metadata)."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        raise SystemExit(f"{path} has no rows")
+    rows = read_rows(path, ("model", "n_layer", "n_embd", "method", "sparsity", "phase", "peak_mb", "eager_us",
+                            "graph_us"), "bench_gpt2.py")
     table = {}
     for r in rows:
         r = dict(r)

@@ -9,7 +9,6 @@ Usage: python experiments/plot_kernels.py [--csv results/bench_kernels.csv] [--o
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -18,16 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 
-from experiments.cli import csv_to_plot  # noqa: E402
+from experiments.cli import csv_to_plot, read_rows  # noqa: E402
 
-DEFAULT_CSV = "results/bench_kernels.csv"
+DEFAULT_CSV = str(ROOT / "results" / "bench_kernels.csv")
+COLUMNS = ("shape", "op", "method", "sparsity", "batch", "graph_us", "roofline_frac")
 _ESIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=DEFAULT_CSV)
-    ap.add_argument("--out", default="papers/fig_kernels.png")
+    ap.add_argument("--out", default=str(ROOT / "papers" / "fig_kernels.png"))
     ap.add_argument("--shape", default="4096x4096")
     args = ap.parse_args(argv)
     if not csv_to_plot(args.csv, DEFAULT_CSV, "bench_kernels.py", " on a GPU"):
@@ -36,9 +36,8 @@ def main(argv=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(args.csv, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["shape"] == args.shape
-                and r["op"] in ("forward", "dX", "SDDMM") and r["graph_us"] not in ("", "nan")]
+    rows = [r for r in read_rows(args.csv, COLUMNS, "bench_kernels.py") if r["shape"] == args.shape
+            and r["op"] in ("forward", "dX", "SDDMM") and r["graph_us"] not in ("", "nan", None)]
     if not rows:
         raise SystemExit(f"no rows for shape {args.shape} in {args.csv}")
     sps = sorted({float(r["sparsity"]) for r in rows})

@@ -12,7 +12,6 @@ all blank (e.g. memory and energy from a CPU run) say so instead of drawing.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 
-from experiments.cli import csv_to_plot  # noqa: E402
+from experiments.cli import csv_to_plot, read_rows  # noqa: E402
 
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask", "cusparse": "cuSPARSE CSR"}
 STYLE = {"snack": ("C3", "o"), "dense": ("C0", "s"), "densemask": ("C2", "^"), "cusparse": ("C1", "D")}
@@ -46,10 +45,7 @@ def _num(v):
 
 def load(path, sparsity=None):
     """Rows of the CSV at one sparsity, numbers as floats."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        raise SystemExit(f"{path} has no rows")
+    rows = read_rows(path, ("method", "phase", "sparsity", "B", "eager_us", "graph_us"), "bench_layer.py")
     keep = sparsity if sparsity is not None else _num(rows[0]["sparsity"])
     out = []
     for r in rows:
@@ -62,6 +58,9 @@ def load(path, sparsity=None):
         out.append(r)
     if not out:
         raise SystemExit(f"{path} has no rows at sparsity {keep}")
+    if all(math.isnan(r["B"]) or (math.isnan(r["eager_us"]) and math.isnan(r["graph_us"])) for r in out):
+        raise SystemExit(f"{path} holds no timing at sparsity {keep} (no row has a batch size and a number "
+                         "in eager_us or graph_us): nothing to draw")
     return out, keep
 
 

@@ -29,11 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.bench_kernels import require_gpu, run_metadata  # noqa: E402
+from experiments.cli import auto_int, comma_list, shape_arg  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
-
-def _ints(s):
-    return [None if v in ("auto", "") else int(v) for v in s.split(",")]
+OPS = ("fwd", "dx", "sddmm")
 
 
 def main(argv=None):
@@ -54,9 +53,18 @@ def main(argv=None):
     ap.add_argument("--ops", default="fwd,dx,sddmm")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
-    own_threads = _ints(args.own_threads)
-    if not all(t is None or (32 <= t <= 1024 and t % 32 == 0) for t in own_threads):
-        ap.error(f"--own-threads: block sizes must be multiples of 32 in [32, 1024], got {args.own_threads}")
+    # every option checked before the GPU check: a usage error names the option
+    threads_ok = "multiples of 32 in [32, 1024]"
+    own_threads = comma_list(ap, "own-threads", args.own_threads, auto_int,
+                             lambda t: t is None or (32 <= t <= 1024 and t % 32 == 0), f"auto or {threads_ok}")
+    n_out, n_in = shape_arg(ap, "shape", args.shape)
+    sparsities = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0 <= s < 1, "in [0, 1)")
+    batches = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "positive ints")
+    bts = comma_list(ap, "bt", args.bt, int, lambda b: b in (1, 2, 4, 8), "batch tiles among 1, 2, 4, 8")
+    threads = comma_list(ap, "threads", args.threads, int, lambda t: 32 <= t <= 1024 and t % 32 == 0, threads_ok)
+    chunks = comma_list(ap, "chunks", args.chunks, auto_int, lambda c: c is None or c >= 1, "auto or positive ints")
+    splits = comma_list(ap, "split", args.split, auto_int, lambda c: c is None or c >= 1, "auto or positive ints")
+    ops = comma_list(ap, "ops", args.ops, str.strip, lambda o: o in OPS, f"among {', '.join(OPS)}")
     require_gpu("tune_kernels.py")
     from triton.testing import do_bench_cudagraph
     import snack.gpu as G
@@ -66,8 +74,6 @@ def main(argv=None):
     for m in modes:
         if m not in gops.WIDE_MODES:
             ap.error(f"--wide-modes: {m!r} is not one of {gops.WIDE_MODES}")
-    n_out, n_in = (int(v) for v in args.shape.split("x"))
-    ops = args.ops.split(",")
     meta = run_metadata("float32")  # in every CSV row
     rows = []
 
@@ -75,11 +81,11 @@ def main(argv=None):
         return do_bench_cudagraph(fn, rep=15, return_mode="median") * 1e3
 
     print(f"{'sp':>5} {'B':>4} {'config':>16} {'thr':>5} {'fwd':>8} {'dX':>8} {'sddmm':>8}   dense {'':>6}")
-    for sp in [float(s) for s in args.sparsity.split(",")]:
+    for sp in sparsities:
         coo = COO.random((n_out, n_in), density=1 - sp, seed=0, device="cuda")
         topo, v = coo.topology, coo.values
         wd = coo.to_dense().double()
-        for B in [int(b) for b in args.batch.split(",")]:
+        for B in batches:
             x = torch.randn(B, n_in, device="cuda")
             dy = torch.randn(B, n_out, device="cuda")
             y = torch.empty(B, n_out, device="cuda")
@@ -91,10 +97,10 @@ def main(argv=None):
             dvref = (dy.double().T @ x.double())[rr, cc]
             wdf = wd.float()
             t_dense = bench(lambda: torch.mm(x, wdf.T, out=y))
-            configs = [dict(bt=bt, wide=False) for bt in _ints(args.bt) if bt == 1 or bt <= 2 * B]
+            configs = [dict(bt=bt, wide=False) for bt in bts if bt == 1 or bt <= 2 * B]
             if B >= args.wide_from:
-                configs += [dict(wide=True, chunks=ch, split=s, mode=m, own=ot) for ch in _ints(args.chunks)
-                            for s in _ints(args.split) for m in modes for ot in own_threads]
+                configs += [dict(wide=True, chunks=ch, split=s, mode=m, own=ot) for ch in chunks
+                            for s in splits for m in modes for ot in own_threads]
             for cfg in configs:
                 mode = cfg.pop("mode", "auto")
                 own = cfg.pop("own", None)
@@ -104,7 +110,7 @@ def main(argv=None):
                     gops.WIDE_OWN_BOUND = None
                 sd_cfg = {k: v for k, v in cfg.items() if k != "split"}
                 try:
-                    for th in _ints(args.threads):
+                    for th in threads:
                         res = {}
                         failed = False
                         with gops.wide_mode(mode):

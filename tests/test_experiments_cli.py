@@ -70,19 +70,28 @@ def test_bench_kernels_quick_keeps_explicit_grid():
     from experiments import bench_kernels as b
     a = b.parse_args(["--quick", "--shapes", "768x768", "--sparsity", "0.5", "--batch", "4,64"])
     assert (a.shape_list, a.sparsity_list, a.batch_list) == (["768x768"], [0.5], [4, 64])
-    assert a.out == "results/bench_kernels_quick.csv"
+    assert a.out == str(ROOT / "results" / "bench_kernels_quick.csv")
     a = b.parse_args(["--quick", "--batch", "2"])
     assert (a.shape_list, a.sparsity_list, a.batch_list) == (["4096x4096"], [0.9, 0.95, 0.99], [2])
     a = b.parse_args([])
     assert a.shape_list == b.DEFAULT_SHAPES and a.batch_list == [1, 8, 32, 128, 512]
-    assert a.sparsity_list == [0.5, 0.8, 0.9, 0.95, 0.99] and a.out == "results/bench_kernels.csv"
+    assert a.sparsity_list == [0.5, 0.8, 0.9, 0.95, 0.99] and a.out == str(ROOT / "results" / "bench_kernels.csv")
 
 
 def test_bench_kernels_half_dtypes_write_their_own_csv():
     from experiments import bench_kernels as b
-    assert b.parse_args(["--quick", "--dtype", "bfloat16"]).out == "results/bench_kernels_quick_bfloat16.csv"
-    assert b.parse_args(["--dtype", "float16"]).out == "results/bench_kernels_float16.csv"
+    assert b.parse_args(["--quick", "--dtype", "bfloat16"]).out == str(ROOT / "results" / "bench_kernels_quick_bfloat16.csv")
+    assert b.parse_args(["--dtype", "float16"]).out == str(ROOT / "results" / "bench_kernels_float16.csv")
     assert b.parse_args(["--dtype", "float16", "--out", "x.csv"]).out == "x.csv"
+    # bench_layer: another optimizer or autocast keeps the default run's CSV (Figure 2's)
+    from experiments import bench_layer as bl
+    names = {tuple(a): Path(bl.parse_args(a).out).name for a in
+             ([], ["--optimizer", "adam-fused"], ["--optimizer", "snack-adam", "--autocast", "bfloat16"],
+              ["--device", "cpu"])}
+    assert names == {(): "bench_layer.csv", ("--optimizer", "adam-fused"): "bench_layer_adam_fused.csv",
+                     ("--optimizer", "snack-adam", "--autocast", "bfloat16"):
+                         "bench_layer_snack_adam_autocast_bfloat16.csv",
+                     ("--device", "cpu"): "bench_layer_cpu.csv"}
 
 
 def test_bench_layer_autocast_on_the_cpu(tmp_path):
@@ -178,6 +187,22 @@ def test_gpu_scripts_check_their_options_first(capsys):
     assert "--cprofile applies" in _usage_error(capsys, profile_launch.main, ["--cprofile"])
     for bad in ("500", "640,2048", "0"):
         assert "multiples of 32 in [32, 1024]" in _usage_error(capsys, tune_kernels.main, ["--own-threads", bad])
+    for opt, bad, what in (("--own-threads", "x", "comma-separated list"), ("--shape", "12", "OUTxIN"),
+                           ("--shape", "0x5", "OUTxIN"), ("--batch", "x", "comma-separated list"),
+                           ("--batch", "0", "positive ints"), ("--sparsity", "1", "in [0, 1)"),
+                           ("--bt", "3", "1, 2, 4, 8"), ("--threads", "100", "multiples of 32"),
+                           ("--chunks", "0", "auto or positive"), ("--split", "y", "comma-separated"),
+                           ("--ops", "fwd,bwd", "among fwd, dx, sddmm")):
+        msg = _usage_error(capsys, tune_kernels.main, [opt, bad])
+        assert opt in msg and what in msg, msg
+    from experiments import decompose_wide
+    for opt, bad in (("--shape", "4096"), ("--sparsity", "-0.1"), ("--batch", "a")):
+        assert opt in _usage_error(capsys, decompose_wide.main, [opt, bad])
+    from experiments import bench_layer
+    for args, what in ((["--sparsity", "2"], "--sparsity must be in [0, 1)"),
+                       (["--in_features", "0"], "--in_features must be >= 1"),
+                       (["--rep_ms", "0"], "--rep_ms must be > 0")):
+        assert what in _usage_error(capsys, bench_layer.parse_args, ["--device", "cpu", *args])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--tiled", "--own"])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--mixed", "--staging"])
     assert "positions must be in [0, 6)" in _usage_error(capsys, sanitize_kernels.cli, ["--shapes", "0", "6"])
@@ -198,12 +223,36 @@ def test_plots_name_a_missing_csv(tmp_path, monkeypatch):
 
 def test_plots_skip_their_default_csv_when_not_measured_yet(tmp_path, monkeypatch, capsys):
     from experiments import plot_kernels, plot_layer
-    monkeypatch.chdir(tmp_path)  # plot_kernels' default CSV is relative to the working folder
+    monkeypatch.setattr(plot_kernels, "DEFAULT_CSV", str(tmp_path / "results" / "bench_kernels.csv"))
     monkeypatch.setattr(plot_layer, "DEFAULT_CSV", str(tmp_path / "results" / "bench_layer.csv"))
-    assert plot_kernels.main([]) is None
+    assert plot_kernels.main(["--out", str(tmp_path / "fig.png")]) is None
     assert plot_layer.main(["--out", str(tmp_path / "fig.png")]) is None
     out = capsys.readouterr().out
     assert out.count("nothing drawn") == 2 and not (tmp_path / "fig.png").exists()
+
+
+def test_plots_refuse_a_csv_they_cannot_draw(tmp_path):
+    # another script's CSV, a CSV of other columns, a binary file, a header only, timings that
+    # are not numbers: one line naming the script that writes the expected CSV, no figure
+    from experiments import plot_gpt2, plot_kernels, plot_layer
+    layer_cols = "method,phase,sparsity,B,eager_us,graph_us\n"
+    files = {"other.csv": "a,b\n1,2\n", "binary.csv": b"\xff\xfe\x00garbage", "header.csv": layer_cols,
+             "nan.csv": layer_cols + "snack,infer,0.9,8,n/a,\nsnack,infer,0.9,32\n",
+             "kernels.csv": (ROOT / "results" / "bench_kernels.csv").read_text()}
+    for name, text in files.items():
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    cases = [(plot_kernels, "bench_kernels.py", "other.csv", "lacks the column(s) shape, op"),
+             (plot_layer, "bench_layer.py", "kernels.csv", "lacks the column(s) phase, B"),
+             (plot_gpt2, "bench_gpt2.py", "kernels.csv", "lacks the column(s) model, n_layer"),
+             (plot_layer, "bench_layer.py", "binary.csv", "not a readable CSV text file"),
+             (plot_kernels, "bench_kernels.py", "binary.csv", "not a readable CSV text file"),
+             (plot_layer, "bench_layer.py", "header.csv", "has no rows"),
+             (plot_layer, "bench_layer.py", "nan.csv", "holds no timing")]
+    for mod, script, name, what in cases:
+        msg = _one_line_exit(mod.main, ["--csv", str(tmp_path / name), "--out", str(tmp_path / "fig.png")])
+        assert what in msg and name in msg, (mod.__name__, name, msg)
+        assert what in ("has no rows", "holds no timing") or script in msg, msg
+    assert not (tmp_path / "fig.png").exists()
 
 
 def test_train_mnist_missing_dataset_is_one_line(tmp_path):
