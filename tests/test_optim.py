@@ -56,6 +56,36 @@ def test_subclass_of_torchs_and_closure_returns_loss():
     assert opt.step() is None   # no closure: None, as torch's
 
 
+def test_step_hooks_run_once_per_step():
+    # torch wraps a class's step with its hook runner when the class's first instance is built;
+    # snack's step, falling back to torch's, must not run the hooks a second time through it
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])     # torch's Adam.step is wrapped now
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    calls = []
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    mine = []  # the snack optimizer of the round (the global hook sees torch's too)
+    handle = register_optimizer_step_pre_hook(lambda o, *a: calls.append("global") if o is mine[-1] else None)
+    try:
+        for cls in (snack.optim.Adam, snack.optim.AdamW):
+            calls.clear()
+            p = torch.zeros(3, requires_grad=True)
+            ref = torch.zeros(3, requires_grad=True)
+            opt = cls([p], lr=0.1, weight_decay=0.01)
+            mine.append(opt)
+            opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+            opt.register_step_post_hook(lambda *a: calls.append("post"))
+            torch_opt = getattr(torch.optim, cls.__name__)([ref], lr=0.1, weight_decay=0.01)
+            for _ in range(2):
+                p.grad = torch.tensor([1.0, -2.0, 0.5])
+                ref.grad = p.grad.clone()
+                opt.step()
+                torch_opt.step()
+            assert calls == ["global", "pre", "post"] * 2, (cls.__name__, calls)
+            assert torch.equal(p, ref)
+    finally:
+        handle.remove()
+
+
 def test_cpu_step_does_not_import_the_gpu_package():
     # on CPU parameters (simulator off) torch's step runs: importing snack.gpu (numba-cuda, about
     # half a second) on the first step would only slow down the first timed step
