@@ -110,6 +110,21 @@ def canonicalize(indices: torch.Tensor, shape, values: Optional[torch.Tensor] = 
     return new_idx, new_val, False
 
 
+def check_topology(topo: "Topology") -> None:
+    """For backends, before their first use of a topology's pattern (their kernels do not
+    bounds-check): indices in range, row-major sorted, no coordinate twice; TypeError/ValueError
+    naming `topo` otherwise. A hand-built `Topology` is not validated when it is made."""
+    try:
+        validate_coo(topo.indices, None, topo.shape)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"topo: {e}") from None
+    idx = topo.indices.to(torch.int64)
+    key = idx[0] * max(topo.shape[1], 1) + idx[1]
+    if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
+        raise ValueError(f"topo: indices (2, {topo.nnz}) must be canonical: sorted by row, then "
+                         "column, each coordinate once (build it through snack.core.COO or canonicalize)")
+
+
 class Topology:
     """The connection pattern of a COO matrix and its cached metadata.
 

@@ -59,7 +59,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from .coo import Topology, validate_coo
+from .coo import Topology, check_topology
 
 __all__ = ["spmm", "spmm_t", "sddmm", "supports", "SUPPORTED_DTYPES"]
 
@@ -465,26 +465,12 @@ def _split(ptr: np.ndarray, nchunk: int) -> np.ndarray:
     return np.maximum.accumulate(s)
 
 
-def _check_canonical(topo: Topology) -> None:
-    """Once per topology (the kernels do not bounds-check): indices in range, row-major sorted,
-    no coordinate twice; ValueError naming `topo` otherwise."""
-    try:
-        validate_coo(topo.indices, None, topo.shape)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"topo: {e}") from None
-    idx = topo.indices.to(torch.int64)
-    key = idx[0] * max(topo.shape[1], 1) + idx[1]
-    if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
-        raise ValueError(f"topo: indices (2, {topo.nnz}) must be canonical: sorted by row, then "
-                         "column, each coordinate once (build it through snack.core.COO or canonicalize)")
-
-
 def _csr(topo: Topology, nchunk: int):
     """(split, row_ptr, cols): int32 numpy arrays cached on the topology; split cuts the rows
     into `nchunk` chunks of about equal nnz."""
     c = topo.cache.get("cpu_csr")
     if c is None:
-        _check_canonical(topo)
+        check_topology(topo)
         c = topo.cache["cpu_csr"] = {"ptr": _np_i32(topo.row_ptr), "idx": _np_i32(topo.cols)}
     s = c.get(nchunk)
     if s is None:

@@ -27,8 +27,9 @@ Blocks own a batch tile and a range of rows; the grid is sized to fill every SM 
 with atomics across chunks by default) are taken where they measured faster (`WIDE_FROM`, `WIDE_DENSITY`, `WIDE_MIN_NNZ`: the
 SpMMs from B = 32 (the transposed one from B = 17) at >= 3 % density with >= 150 K non-zeros below
 B = 64, and from B = 96 at any;
-the SDDMM from B = 16 at >= 3 % and from B = 32) or when asked (`wide=True`, `chunks=`,
-`split=`); their column chunks are as wide as shared memory allows, or at most
+the SDDMM from B = 16 at >= 3 % and from B = 32) or when asked (`wide=True`; `chunks=` and
+`split=` shape the 32-wide kernels wherever they run, and are ignored by the batch-tiled ones);
+their column chunks are as wide as shared memory allows, or at most
 `WIDE_CHUNK_COLS` columns for B <= 64 when several chunks are needed anyway; where rows hold
 fewer than `WIDE_ROWS4_BELOW` non-zeros per chunk on average, each group of 8 lanes takes a row
 of its own (`rows4`) instead of a warp per row (the SDDMM also when rows are many,
@@ -55,7 +56,7 @@ from typing import Optional
 
 import torch
 
-from snack.core.coo import REBUILD, Topology
+from snack.core.coo import REBUILD, Topology, check_topology
 from . import kernels
 from .launch import (BoundLaunch, as_kernel_array, device_properties, launch_mode, build_persistent,
                      zero, clusters_supported, max_active_clusters)
@@ -144,6 +145,11 @@ def _check_options(bt, threads, wide, chunks, split) -> None:
     for name, v in (("chunks", chunks), ("split", split)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, Integral) or v < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
+
+
+def _check_flag(name: str, v) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be True or False, got {v!r}")
 
 
 def _check_out(out, shape, dtype, device):
@@ -363,6 +369,12 @@ def _cached_plan(topo, key, build, *args):
     fits)."""
     plan = topo.cache.get(key, _NO_PLAN)
     if plan is _NO_PLAN:
+        # the kernels do not bounds-check: the pattern is checked before each plan built from it
+        # (a hand-built Topology may hold anything; a few plans per topology, each built once),
+        # except under CUDA-graph capture, where nothing can be read back (the layers'
+        # topologies are checked when they are built)
+        if not (topo.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            check_topology(topo)
         # the arrays it builds outlive any CUDA graph: outside the graphs' pools
         plan = topo.cache[key] = build_persistent(topo.device, build, topo, *args)
     return plan
@@ -802,6 +814,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     With bias_grad=True returns (dv, db), db (out,) = sum_b dY[b, :] (dy's dtype, summed in fp32)
     computed by the same launch from the dY values it reads anyway."""
     _check_pair(dy, x, topo)
+    _check_flag("bias_grad", bias_grad)
     if bt is not None or threads != _THREADS or wide is not None or chunks is not None:
         _check_options(bt, threads, wide, chunks, None)
     n_out, n_in = topo.shape
@@ -975,9 +988,11 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     dX (B, in) = dY W, dv (nnz,) dv_k = sum_b dY[b, r_k] X[b, c_k], db (out,) = sum_b dY[b, :].
 
     Where `fuses_backward` says so, one launch computes all of them in one pass over W's
-    column-major order (dY read once, no second staging); otherwise spmm_t and sddmm. Results
+    column-major order (dY read once, no second staging); otherwise spmm_t (with `chunks` and
+    `split`, which mean the same column chunks of dY there) and sddmm (its own defaults). Results
     have dy's dtype; x, dy, values: one dtype, on W's device."""
     _check_pair(dy, x, topo)
+    _check_flag("bias_grad", bias_grad)
     if threads != _THREADS or chunks is not None or split is not None:
         _check_options(None, threads, None, chunks, split)
     if fused is not None and not isinstance(fused, bool):
@@ -994,7 +1009,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
                             _build_fused_plan, batch, kind, topo.device, threads, chunks, split, bool(bias_grad),
                             mode)
     if plan is None:
-        dx = spmm_t(dy, topo, values, threads=threads)
+        dx = spmm_t(dy, topo, values, threads=threads, chunks=chunks, split=split)
         res = sddmm(dy, x, topo, bias_grad=bias_grad, threads=threads)
         return (dx,) + res if bias_grad else (dx, res)
     dev = topo.device

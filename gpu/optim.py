@@ -22,7 +22,7 @@ import torch
 
 from . import kernels
 from .launch import BoundLaunch, device_properties, launch_mode
-from .ops import dummy_array, overlaps
+from .ops import _span, dummy_array, overlaps
 
 __all__ = ["adam_step", "adam_steps"]
 
@@ -57,6 +57,28 @@ def _check_set(param, grad, exp_avg, exp_avg_sq, step, where: str = ""):
         for nb, b in named[i + 1:]:
             if overlaps(a, b):
                 raise ValueError(f"{na}{where} and {nb}{where} share memory; each needs a tensor of its own")
+
+
+def _check_across_sets(sets) -> None:
+    """ValueError when two sets share memory (the same parameter twice, a moment that is a view
+    of another set's tensor...): one launch updates both, and one update would be lost. One sort
+    of the tensors' byte ranges (the pairs inside a set: `_check_set`)."""
+    names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "steps")
+    spans = sorted((*sp, i, name) for i, s in enumerate(sets) for name, t in zip(names, s)
+                   if (sp := _span(t)) is not None)
+    last = None  # (storage, end, set, name) of the range reaching furthest in the current storage
+    for storage, start, end, i, name in spans:
+        if last is not None and last[0] == storage and start < last[1] and last[2] != i:
+            a, b = sorted([(last[2], last[3]), (i, name)])  # the earlier set first
+            raise ValueError(f"{a[1]}[{a[0]}] and {b[1]}[{b[0]}] share memory; every set needs tensors of "
+                             "its own (the same parameter given twice?)")
+        if last is None or last[0] != storage or end > last[1]:
+            last = (storage, end, i, name)
+
+
+def _check_decoupled(decoupled) -> None:
+    if not isinstance(decoupled, bool):
+        raise TypeError(f"decoupled must be True or False, got {decoupled!r}")
 
 
 def _check_hyper(lr, beta1, beta2, eps, weight_decay):
@@ -120,6 +142,7 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     element holding this step's count (>= 1), not changed."""
     _check_set(param, grad, exp_avg, exp_avg_sq, step)
     _check_hyper(lr, beta1, beta2, eps, weight_decay)
+    _check_decoupled(decoupled)
     if param.numel() == 0:
         return
     _launch([(param, grad, exp_avg, exp_avg_sq, step)], None, 0, lr, beta1, beta2, eps, weight_decay, decoupled)
@@ -145,7 +168,9 @@ def adam_steps(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
         _check_set(*s, where=f"[{i}]")
         if s[0].device != sets[0][0].device:
             raise ValueError(f"params[{i}] is on {s[0].device} but params[0] is on {sets[0][0].device}")
+    _check_across_sets(sets)
     _check_hyper(lr, beta1, beta2, eps, weight_decay)
+    _check_decoupled(decoupled)
     if not isinstance(counter, torch.Tensor) or counter.dtype != torch.int32 or not counter.is_contiguous():
         raise TypeError("counter must be a contiguous int32 torch.Tensor")
     if sets and counter.device != sets[0][0].device:

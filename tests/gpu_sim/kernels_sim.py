@@ -533,6 +533,42 @@ def test_bad_options_outputs_sharing_inputs_and_a_coo_for_a_topology_are_rejecte
     xs = torch.randn(6, 6)
     with pytest.raises(ValueError, match="out shares memory with x"):
         G.spmm(xs, sq.topology, sq.values, out=xs)
+    with pytest.raises(TypeError, match="bias_grad must be True or False"):
+        G.sddmm(dy, x, t, bias_grad="no")
+    with pytest.raises(TypeError, match="bias_grad must be True or False"):
+        G.spmm_t_sddmm(dy, x, t, v, bias_grad=1)
+
+
+def test_a_hand_built_topology_is_checked_before_any_kernel():
+    # the kernels do not bounds-check: a Topology made by hand with indices out of range, unsorted
+    # or repeated is refused before the first plan is built from it, and out= stays as it was
+    from snack.core import Topology
+    v = torch.ones(2)
+    for bad, msg in (([[0, 9], [0, 1]], r"topo: indices\[0\]"), ([[0, 1], [0, 70]], r"topo: indices\[1\]"),
+                     ([[1, 0], [0, 1]], "canonical"), ([[1, 1], [2, 2]], "canonical")):
+        t = Topology(torch.tensor(bad, dtype=torch.int32), (5, 7))
+        y = torch.full((3, 5), float("nan"))
+        dx = torch.full((3, 7), float("nan"))
+        for call in (lambda: G.spmm(torch.randn(3, 7), t, v, out=y), lambda: G.spmm_t(torch.randn(3, 5), t, v, out=dx),
+                     lambda: G.sddmm(torch.randn(3, 5), torch.randn(3, 7), t),
+                     lambda: G.spmm_t_sddmm(torch.randn(3, 5), torch.randn(3, 7), t, v, fused=True)):
+            with pytest.raises(ValueError, match=msg):
+                call()
+        assert y.isnan().all() and dx.isnan().all()
+
+
+def test_fused_backward_fallback_keeps_chunks_and_split(monkeypatch):
+    # where the fused kernel does not apply (here: fused=False), dX still gets the chunks and
+    # split asked for, which mean the same column chunks of dY there
+    import snack.gpu.ops as ops
+    coo = COO.random((5, 40), density=0.5, seed=3)
+    seen = []
+    real = ops.spmm_t
+    monkeypatch.setattr(ops, "spmm_t", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    dy, x = torch.randn(3, 5), torch.randn(3, 40)
+    dx, dv = G.spmm_t_sddmm(dy, x, coo.topology, coo.values, fused=False, chunks=3, split=2)
+    assert seen and seen[0]["chunks"] == 3 and seen[0]["split"] == 2
+    torch.testing.assert_close(dx.double(), spmm_t_reference(dy.double(), coo.indices, coo.values.double(), 40))
 
 
 @pytest.mark.parametrize("B", [2, 20])
@@ -685,7 +721,23 @@ def test_adam_steps_bad_input_changes_nothing():
         G.adam_steps(ps, grads, ms, vs, steps, counter=torch.zeros(1), **hyper)
     with pytest.raises(ValueError, match="same length"):
         G.adam_steps(ps, grads[:1], ms, vs, steps, counter=torch.zeros(1, dtype=torch.int32), **hyper)
+    # two sets sharing memory: one launch would update both and lose one update
+    big = torch.zeros(8)
+    for bad, msg in ((dict(params=[ps[0], ps[0]]), r"params\[0\] and params\[1\] share memory"),
+                     (dict(exp_avgs=[big[:5], big[4:7]]), r"exp_avgs\[0\] and exp_avgs\[1\] share memory"),
+                     (dict(grads=[grads[0], ps[0][:3]]), r"params\[0\] and grads\[1\] share memory"),
+                     (dict(steps=[steps[0], steps[0]]), r"steps\[0\] and steps\[1\] share memory")):
+        call = dict(params=ps, grads=grads, exp_avgs=ms, exp_avg_sqs=vs, steps=steps, **hyper)
+        call.update({k: v for k, v in bad.items()})
+        if "params" in bad:
+            call.update(grads=[grads[0], torch.ones(5)], exp_avgs=[ms[0], torch.zeros(5)],
+                        exp_avg_sqs=[vs[0], torch.zeros(5)])
+        with pytest.raises(ValueError, match=msg):
+            G.adam_steps(counter=torch.zeros(1, dtype=torch.int32), **call)
+    with pytest.raises(TypeError, match="decoupled must be True or False"):
+        G.adam_steps(ps, grads, ms, vs, steps, counter=torch.zeros(1, dtype=torch.int32), decoupled="yes", **hyper)
     assert all(torch.equal(p, torch.zeros_like(p)) for p in ps) and [float(s) for s in steps] == [1.0, 1.0]
+    assert torch.equal(big, torch.zeros(8))
 
 
 def test_adam_step_bad_input():
