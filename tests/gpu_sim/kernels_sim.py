@@ -565,10 +565,12 @@ def test_fused_backward_fallback_keeps_chunks_and_split(monkeypatch):
     seen = []
     real = ops.spmm_t
     monkeypatch.setattr(ops, "spmm_t", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
-    dy, x = torch.randn(3, 5), torch.randn(3, 40)
+    g = torch.Generator().manual_seed(4)
+    dy, x = torch.randn(3, 5, generator=g), torch.randn(3, 40, generator=g)
     dx, dv = G.spmm_t_sddmm(dy, x, coo.topology, coo.values, fused=False, chunks=3, split=2)
     assert seen and seen[0]["chunks"] == 3 and seen[0]["split"] == 2
-    torch.testing.assert_close(dx.double(), spmm_t_reference(dy.double(), coo.indices, coo.values.double(), 40))
+    ref = spmm_t_reference(dy.double(), coo.indices, coo.values.double(), 40)
+    assert _rel(dx, ref) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("B", [2, 20])
