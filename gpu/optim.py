@@ -22,7 +22,7 @@ import torch
 
 from . import kernels
 from .launch import BoundLaunch, device_properties, launch_mode
-from .ops import _span, dummy_array, overlaps
+from .ops import _check_flag, _span, dummy_array, overlaps
 
 __all__ = ["adam_step", "adam_steps"]
 
@@ -74,11 +74,6 @@ def _check_across_sets(sets) -> None:
                              "its own (the same parameter given twice?)")
         if last is None or last[0] != storage or end > last[1]:
             last = (storage, end, i, name)
-
-
-def _check_decoupled(decoupled) -> None:
-    if not isinstance(decoupled, bool):
-        raise TypeError(f"decoupled must be True or False, got {decoupled!r}")
 
 
 def _check_hyper(lr, beta1, beta2, eps, weight_decay):
@@ -142,7 +137,7 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     element holding this step's count (>= 1), not changed."""
     _check_set(param, grad, exp_avg, exp_avg_sq, step)
     _check_hyper(lr, beta1, beta2, eps, weight_decay)
-    _check_decoupled(decoupled)
+    _check_flag("decoupled", decoupled)
     if param.numel() == 0:
         return
     _launch([(param, grad, exp_avg, exp_avg_sq, step)], None, 0, lr, beta1, beta2, eps, weight_decay, decoupled)
@@ -170,7 +165,7 @@ def adam_steps(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
             raise ValueError(f"params[{i}] is on {s[0].device} but params[0] is on {sets[0][0].device}")
     _check_across_sets(sets)
     _check_hyper(lr, beta1, beta2, eps, weight_decay)
-    _check_decoupled(decoupled)
+    _check_flag("decoupled", decoupled)
     if not isinstance(counter, torch.Tensor) or counter.dtype != torch.int32 or not counter.is_contiguous():
         raise TypeError("counter must be a contiguous int32 torch.Tensor")
     if sets and counter.device != sets[0][0].device:
