@@ -111,9 +111,12 @@ def canonicalize(indices: torch.Tensor, shape, values: Optional[torch.Tensor] = 
 
 
 def check_topology(topo: "Topology") -> None:
-    """For backends, before their first use of a topology's pattern (their kernels do not
-    bounds-check): indices in range, row-major sorted, no coordinate twice; TypeError/ValueError
-    naming `topo` otherwise. A hand-built `Topology` is not validated when it is made."""
+    """For backends, before they use a topology's pattern (their kernels do not bounds-check):
+    indices in range, row-major sorted, no coordinate twice; TypeError/ValueError naming `topo`
+    otherwise. Once per topology: a checked one (`Topology.checked`, also set where the library
+    builds one from indices it has just validated) returns at once."""
+    if topo.checked:
+        return
     try:
         validate_coo(topo.indices, None, topo.shape)
     except (TypeError, ValueError) as e:
@@ -123,6 +126,7 @@ def check_topology(topo: "Topology") -> None:
     if key.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
         raise ValueError(f"topo: indices (2, {topo.nnz}) must be canonical: sorted by row, then "
                          "column, each coordinate once (build it through snack.core.COO or canonicalize)")
+    topo.checked = True
 
 
 class Topology:
@@ -134,11 +138,14 @@ class Topology:
       col_ptr   int32 (cols + 1,)  CSC column pointers into the column-major order
       rows_by_col int32 (nnz,)     row index of each entry in column-major order
     Backends may store their own derived arrays in `cache` (keyed by name).
+    `checked`: whether the indices are known to be valid (`check_topology`); pass True only for
+    indices just validated. A hand-built topology is checked by the backends before first use.
     """
 
-    __slots__ = ("indices", "shape", "cache", "_nnz", "_device")
+    __slots__ = ("indices", "shape", "cache", "checked", "_nnz", "_device")
 
-    def __init__(self, indices: torch.Tensor, shape: Tuple[int, int]):
+    def __init__(self, indices: torch.Tensor, shape: Tuple[int, int], *, checked: bool = False):
+        self.checked = checked
         self.indices = indices  # fixed once built: nnz and device are read from it here
         self.shape = (int(shape[0]), int(shape[1]))
         self.cache = {}
@@ -206,7 +213,7 @@ class Topology:
         device = torch.device(device)
         if device == self.device:
             return self
-        return Topology(self.indices.to(device), self.shape)
+        return Topology(self.indices.to(device), self.shape, checked=self.checked)
 
     def refresh_from(self, new: "Topology") -> bool:
         """Takes `new`'s pattern (same shape and nnz) into this topology's own arrays, in place.
@@ -240,6 +247,7 @@ class Topology:
             copies.append((self.indices, new.indices))
         for old, fresh in copies:
             old.copy_(fresh)
+        self.checked = new.checked
         return True
 
 
@@ -290,7 +298,7 @@ class COO:
                 # canonical int32 input comes back as is: own a copy, so that a later change of
                 # the caller's tensor cannot reach the validated pattern (kernels trust it)
                 indices = indices.clone()
-        self.topology = Topology(indices, shape)
+        self.topology = Topology(indices, shape, checked=check)
         self.values = values
 
     # ---- basic properties ----------------------------------------------------------------

@@ -369,11 +369,10 @@ def _cached_plan(topo, key, build, *args):
     fits)."""
     plan = topo.cache.get(key, _NO_PLAN)
     if plan is _NO_PLAN:
-        # the kernels do not bounds-check: the pattern is checked before each plan built from it
-        # (a hand-built Topology may hold anything; a few plans per topology, each built once),
-        # except under CUDA-graph capture, where nothing can be read back (the layers'
-        # topologies are checked when they are built)
-        if not (topo.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        # the kernels do not bounds-check: a hand-built Topology is checked before the first plan
+        # built from it (the library's own are checked when made: a no-op for them), except under
+        # CUDA-graph capture, where nothing can be read back
+        if not (topo.checked or (topo.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             check_topology(topo)
         # the arrays it builds outlive any CUDA graph: outside the graphs' pools
         plan = topo.cache[key] = build_persistent(topo.device, build, topo, *args)

@@ -137,7 +137,7 @@ def _build_topology(indices: torch.Tensor, shape: Tuple[int, int]) -> Topology:
     if idx32 is indices:
         # an alias, not the tensor itself: the cache entry must not keep `indices` alive
         idx32 = indices.detach()
-    return Topology(idx32, shape)
+    return Topology(idx32, shape, checked=True)
 
 
 def invalidate_topology(indices: torch.Tensor) -> None:

@@ -244,20 +244,17 @@ class SparseLinear(nn.Module):
                         f"{prefix}indices hold rows {lo[0]}..{hi[0]} and columns {lo[1]}..{hi[1]}, outside this "
                         f"layer's {self.out_features} x {self.in_features} weight (a checkpoint of another shape?)")
                     return
-                if nnz > 1:
-                    i64 = idx.to(torch.int64)
-                    key = i64[0] * self.in_features + i64[1]
-                    if not bool((key[1:] > key[:-1]).all()):
-                        try:  # names a duplicated coordinate if there is one
-                            canonicalize(i64, (self.out_features, self.in_features))
-                        except ValueError as e:
-                            error_msgs.append(f"{prefix}indices: {e}")
-                            return
-                        error_msgs.append(
-                            f"{prefix}indices are not in canonical row-major order (sorted by row, then "
-                            "column); sort the checkpoint's indices and values with "
-                            "snack.core.canonicalize(indices, shape, values)")
-                        return
+                try:  # (in range: checked above) names a duplicated coordinate if there is one
+                    _, _, in_order = canonicalize(idx, (self.out_features, self.in_features), check=False)
+                except ValueError as e:
+                    error_msgs.append(f"{prefix}indices: {e}")
+                    return
+                if not in_order:
+                    error_msgs.append(
+                        f"{prefix}indices are not in canonical row-major order (sorted by row, then "
+                        "column); sort the checkpoint's indices and values with "
+                        "snack.core.canonicalize(indices, shape, values)")
+                    return
             if nnz != self.nnz:
                 # (ordinary tensors even under torch.inference_mode: the layer must stay trainable
                 # and its topology cacheable)

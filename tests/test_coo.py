@@ -11,7 +11,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from snack.core import COO, INDEX_DTYPE, canonicalize, validate_coo
+from snack.core import COO, INDEX_DTYPE, Topology, canonicalize, validate_coo
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, strategies as st  # noqa: E402
@@ -309,6 +309,25 @@ def test_scipy_errors_and_half_precision():
         c.to_scipy("csc")
     with pytest.raises(TypeError, match="dtype must be a floating dtype"):
         COO.from_scipy(sp.eye(3, format="csr"), dtype=torch.int64)
+
+
+def test_topologies_are_checked_once():
+    # the library's own topologies are made from validated indices; a hand-built one is checked
+    # by the backends before first use, once (a refresh takes the new pattern's state)
+    from snack.core.coo import check_topology
+    made = COO.random((5, 7), nnz=6, seed=0)
+    coo = COO(made.indices, made.values, made.shape)  # validated here
+    assert coo.topology.checked and coo.topology.to("cpu").checked
+    assert not COO(coo.indices, coo.values, coo.shape, check=False).topology.checked
+    hand = Topology(coo.indices.clone(), (5, 7))
+    assert not hand.checked
+    check_topology(hand)
+    assert hand.checked
+    bad = Topology(torch.tensor([[1, 0], [0, 0]], dtype=torch.int32), (5, 7))
+    with pytest.raises(ValueError, match="canonical"):
+        check_topology(bad)
+    assert not bad.checked
+    assert hand.refresh_from(Topology(coo.indices.flip(1).contiguous(), (5, 7))) and not hand.checked
 
 
 def test_bad_arguments_name_themselves():
