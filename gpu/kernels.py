@@ -1238,6 +1238,11 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
             col = tid >> sh
             rr = tid & ((int32(1) << sh) - 1)
             dcol = nthreads >> sh
+            if col >= dcol:
+                # a block size that is not a multiple of 2^sh (e.g. 640 threads, 256 rows): the
+                # threads past the last whole group of 2^sh would repeat the columns of the first
+                # (an atomic sum would add those elements twice); they stay out
+                col = ncol
         else:  # more rows than threads: each thread loops over rows, one column at a time
             col = int32(0)
             rr = tid

@@ -300,6 +300,17 @@ def test_partial_sums_as_parts(B, kw, wide_mode, monkeypatch):
     assert "parts" in _plan_sums(coo.topology) and "atomic" not in _plan_sums(coo.topology)
 
 
+def test_wide_flush_with_a_block_size_not_a_power_of_two(monkeypatch, wide_mode):
+    # one row block of 40 rows (padded to 64 in the output flush) and 3 warps: the threads
+    # past the last whole group of 64 must not flush a column again (with 2 chunk groups the
+    # partial rows add up with atomics, so a column flushed twice would count twice)
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
+    monkeypatch.setattr(ops, "WIDE_OWN_THREADS", 1024)  # the lane-owned SpMMs take all the threads too
+    coo = COO.random((40, 48), density=0.3, seed=3)
+    _check_spmm(coo, 20, seed=3, wide=True, chunks=2, threads=96)
+
+
 def test_wide_staging_fast_path():
     # 256 threads (8 warps): several warps share the staging (full tile, then a partial one)
     coo = COO.random((4, 45), density=0.3, seed=1)
