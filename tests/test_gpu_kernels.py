@@ -178,6 +178,20 @@ def test_wide_flush_with_more_rows_than_threads(monkeypatch, chunks, gen):
     _run_all(coo, 40, torch.float32, gen, wide=True, chunks=chunks)
 
 
+@pytest.mark.parametrize("mode", ["warp", "rows4", "own"])
+@pytest.mark.parametrize("threads,B,chunks", [(640, 32, 5), (640, 128, 4), (768, 128, 4), (96, 40, 2)])
+def test_wide_block_sizes_not_a_power_of_two(monkeypatch, mode, threads, B, chunks, gen):
+    # 4096 x 4096 at 90 %: blocks of 640 or 768 threads (the lane-owned SpMMs compiled for as
+    # many) flush row blocks of 129-512 rows, padded to a power of two that does not divide the
+    # block size; the chunk groups add up with atomics, so a column flushed twice counts twice
+    from snack.gpu import ops
+    from snack.core import COO
+    monkeypatch.setattr(ops, "WIDE_OWN_THREADS", max(threads, 512))
+    coo = COO.random((4096, 4096), density=0.1, generator=gen, device="cuda")
+    with ops.wide_mode(mode):
+        _run_all(coo, B, torch.float32, gen, wide=True, chunks=chunks, threads=threads)
+
+
 @pytest.mark.parametrize("sparsity", [0.9, 0.99])
 @pytest.mark.parametrize("B", [1, 8, 32, 128])
 def test_benchmark_points(sparsity, B, gen):
