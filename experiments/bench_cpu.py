@@ -24,7 +24,6 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.cli import comma_list  # noqa: E402
-from experiments.results_io import write_csv  # noqa: E402
+from experiments.results_io import git_commit, write_csv  # noqa: E402
 
 
 
@@ -76,17 +75,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "core", "experiments/bench_cpu.py"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def check_ops(x: torch.Tensor, dy: torch.Tensor, topo, vals: torch.Tensor, wd: torch.Tensor) -> None:

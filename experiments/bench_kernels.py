@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import platform
-import subprocess
 import statistics
 import sys
 import time
@@ -38,23 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.cli import comma_list, fill_unset  # noqa: E402
-from experiments.results_io import write_csv  # noqa: E402
+from experiments.results_io import git_commit, write_csv  # noqa: E402
 
 DEFAULT_SHAPES = ["4096x4096", "2304x768", "768x768", "3072x768", "768x3072"]
 # the grid, and what --quick takes instead for each option not given on the command line
 DEFAULTS = dict(shapes=",".join(DEFAULT_SHAPES), sparsity="0.5,0.8,0.9,0.95,0.99", batch="1,8,32,128,512")
 QUICK = dict(shapes="4096x4096", sparsity="0.9,0.95,0.99", batch="1,8,32,128")
-
-
-def git_commit() -> str:
-    c = os.environ.get("SNACK_COMMIT")
-    if c:
-        return c
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=ROOT,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def require_gpu(script: str, triton: bool = True) -> None:

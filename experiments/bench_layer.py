@@ -56,7 +56,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,7 +72,7 @@ if str(ROOT) not in sys.path:
 import snack  # noqa: E402
 from snack.layers import backend as snack_backend  # noqa: E402
 from experiments.cli import comma_list, fill_unset  # noqa: E402
-from experiments.results_io import write_csv, write_text  # noqa: E402
+from experiments.results_io import git_commit, write_csv, write_text  # noqa: E402
 
 METHODS = ("snack", "dense", "densemask", "cusparse")
 NAN = float("nan")
@@ -388,24 +387,6 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
 
 
 # ---- bookkeeping -------------------------------------------------------------------------------------
-def git_commit() -> str:
-    """The short commit of the checkout (SNACK_COMMIT overrides it, for copies without .git)."""
-    import os
-    if os.environ.get("SNACK_COMMIT"):
-        return os.environ["SNACK_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "core", "gpu", "layers",
-                                "experiments/bench_layer.py"], cwd=ROOT, capture_output=True, text=True,
-                               timeout=10)
-        if out.returncode != 0:
-            return "unknown"
-        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def environment(device: torch.device) -> Dict[str, str]:
     def version(mod):
         try:

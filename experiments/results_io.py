@@ -4,14 +4,39 @@
 `fieldnames` is given) to a temporary file beside `path` and renames it over `path`, so that a
 crash or a full disk leaves the previous results file whole instead of a truncated one; the
 folder is created when missing. `write_text(path, text)` does the same for a text file.
+`git_commit()` is the commit every results row records.
 """
 from __future__ import annotations
 
 import csv
 import os
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Iterable, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+# what the results depend on: a modified file here marks the commit "-dirty"
+_CODE = ("core", "gpu", "layers", "snack", "experiments")
+
+
+def git_commit() -> str:
+    """The checkout's short commit, "-dirty" when the library or the experiments differ from it,
+    "unknown" without git. SNACK_COMMIT overrides it, for copies of the tree whose .git is
+    missing or stale (a GPU machine that receives the working tree)."""
+    env = os.environ.get("SNACK_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *_CODE], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def _replace(path, write) -> Path:

@@ -32,7 +32,6 @@ import copy
 import json
 import math
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
 import snack  # noqa: E402
 from snack.layers.backend import backend_name  # noqa: E402
 from experiments.data import DatasetNotFoundError, load  # noqa: E402
-from experiments.results_io import write_csv, write_text  # noqa: E402
+from experiments.results_io import git_commit, write_csv, write_text  # noqa: E402
 
 # ---- config: defaults, overridable with --key=value ------------------------------------------
 DEFAULTS = dict(
@@ -364,14 +363,7 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
 
 # ---- reporting ---------------------------------------------------------------------------------
 def environment(device: torch.device) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        commit = commit + ("-dirty" if commit and dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    commit = git_commit()
     return dict(
         device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),

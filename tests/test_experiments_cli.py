@@ -310,3 +310,17 @@ def test_train_ddp_command_line(capsys):
     assert "--epochs must be >= 1" in _usage_error(capsys, t.parse, ["--epochs=0"])
     assert "--train_limit must be >= 0" in _usage_error(capsys, t.parse, ["--train_limit=-5"])
     assert "invalid choice" in _usage_error(capsys, t.parse, ["--dst=magnitude"])
+
+
+def test_git_commit_names_the_checkout_and_yields_to_snack_commit(monkeypatch):
+    # every results row records it: the short HEAD (with "-dirty" when the code differs), or
+    # SNACK_COMMIT where the tree was copied without a usable .git
+    from experiments.results_io import ROOT, git_commit
+    monkeypatch.setenv("SNACK_COMMIT", "abc1234")
+    assert git_commit() == "abc1234"
+    monkeypatch.delenv("SNACK_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode != 0:
+        assert git_commit() == "unknown"
+    else:
+        assert git_commit() in (head.stdout.strip(), head.stdout.strip() + "-dirty")
