@@ -420,7 +420,8 @@ WIDE_ROWS4_BELOW = 32
 # dX at 90 %, B = 32 24.3 -> 24.9-25.1, B = 128 79.5 -> 83.8, and at 99 % (short segments,
 # against rows4) forward B = 32 11.6 -> 12.5, B = 128 20.6 -> 23.0. Compiled for blocks of
 # WIDE_OWN_THREADS threads (94-109 registers at 512; a bound of 1024 threads, 64 registers with
-# spills, was 3-13 % slower) and launched with as many, or with the op's `threads` where fewer;
+# spills, was 3-13 % slower; 640 and 768, with 4-6 chunks, 0-11 % slower at 90-95 %, B = 32 and
+# 128: gpu/PERFORMANCE.md) and launched with as many, or with the op's `threads` where fewer;
 # WIDE_OWN_PER_LANE entries per lane and round (1, 2 or 4: within 3 %).
 WIDE_OWN: Optional[bool] = None
 WIDE_OWN_THREADS = 512
