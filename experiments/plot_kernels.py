@@ -4,7 +4,12 @@ it has not read from the CSV.
   papers/fig_kernels.png: for the 4096 x 4096 layer, GPU time (CUDA-graph replay, median) of
   the forward for SNACK, dense cuBLAS, Dense+Mask and cuSPARSE against the batch size, one panel
   per sparsity, log scale; plus SNACK's dX and SDDMM and its fraction of the HBM roofline.
+With --markdown it prints the README's tables from the CSV instead: the grid (forward against
+dense, Dense+Mask and cuSPARSE, roofline, dX, SDDMM, backward; one row per sparsity and batch)
+and the target points (forward, speed-ups, roofline; one row per sparsity).
+
 Usage: python experiments/plot_kernels.py [--csv results/bench_kernels.csv] [--out papers/fig_kernels.png]
+       python experiments/plot_kernels.py --markdown [--csv results/bench_kernels_quick.csv]
 """
 from __future__ import annotations
 
@@ -24,14 +29,67 @@ COLUMNS = ("shape", "op", "method", "sparsity", "batch", "graph_us", "roofline_f
 _ESIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def _num(x: float) -> str:
+    """A time as the README writes it: 3 significant digits, at most one decimal."""
+    return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+def markdown_tables(rows, shape: str, source: str) -> str:
+    """The README's grid and target-point tables for `shape` from bench_kernels.py rows."""
+    t = defaultdict(dict)  # (sparsity, batch) -> {(op, method): graph us}
+    roof = {}
+    for r in rows:
+        if r["shape"] != shape or r["graph_us"] in ("", "nan", None):
+            continue
+        k = (float(r["sparsity"]), int(r["batch"]))
+        t[k][(r["op"], r["method"])] = float(r["graph_us"])
+        if r["op"] == "forward" and r["method"] == "snack" and r["roofline_frac"]:
+            roof[k] = float(r["roofline_frac"])
+    if not t:
+        raise SystemExit(f"no rows for shape {shape} in {source}")
+
+    def g(k, op, m="snack"):
+        return t[k].get((op, m), float("nan"))
+    head = ("| sparsity | B | SNACK fwd | dense | Dense+Mask | cuSPARSE | x dense | x D+M | x cuSPARSE | roofline "
+            "| SNACK dX | SNACK SDDMM | dX / fwd | SDDMM / fwd | backward | dX + SDDMM |")
+    out = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for k in sorted(t):
+        f = g(k, "forward")
+        d, dm, cs = g(k, "forward", "dense"), g(k, "forward", "dense_mask"), g(k, "forward", "cusparse_csr")
+        dx, sd = g(k, "dX"), g(k, "SDDMM")
+        out.append(f"| {k[0]:g} | {k[1]} | {_num(f)} | {_num(d)} | {_num(dm)} | {_num(cs)} | {d / f:.2f} | "
+                   f"{dm / f:.2f} | {cs / f:.2f} | {100 * roof.get(k, float('nan')):.0f}% | {_num(dx)} | {_num(sd)} | "
+                   f"{dx / f:.2f} | {sd / f:.2f} | {_num(g(k, 'backward'))} | {_num(g(k, 'backward', 'snack_separate'))} |")
+    batches = sorted({b for _, b in t})
+    out += ["", "| sparsity | " + " | ".join(f"B = {b}" for b in batches) + " |",
+            "| --- |" + " --- |" * len(batches)]
+    for sp in sorted({s for s, _ in t}):
+        cells = []
+        for b in batches:
+            k = (sp, b)
+            if k not in t:
+                cells.append("")
+                continue
+            f = g(k, "forward")
+            cells.append(f"{f:.2f}: {g(k, 'forward', 'dense') / f:.2f} / {g(k, 'forward', 'dense_mask') / f:.2f} / "
+                         f"{g(k, 'forward', 'cusparse_csr') / f:.2f}x, {100 * roof.get(k, float('nan')):.0f}%")
+        out.append(f"| {sp:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=DEFAULT_CSV)
     ap.add_argument("--out", default=str(ROOT / "papers" / "fig_kernels.png"))
     ap.add_argument("--shape", default="4096x4096")
+    ap.add_argument("--markdown", action="store_true", help="print the README tables instead of drawing")
     args = ap.parse_args(argv)
     if not csv_to_plot(args.csv, DEFAULT_CSV, "bench_kernels.py", " on a GPU"):
         return None
+    if args.markdown:
+        text = markdown_tables(read_rows(args.csv, COLUMNS, "bench_kernels.py"), args.shape, args.csv)
+        print(text)
+        return text
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

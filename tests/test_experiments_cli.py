@@ -324,3 +324,23 @@ def test_git_commit_names_the_checkout_and_yields_to_snack_commit(monkeypatch):
         assert git_commit() == "unknown"
     else:
         assert git_commit() in (head.stdout.strip(), head.stdout.strip() + "-dirty")
+
+
+def test_plot_kernels_markdown_tables_from_the_csv(tmp_path, capsys):
+    # the README's tables come from the CSV: times as written, speed-ups and ratios computed
+    from experiments import plot_kernels
+    head = ["gpu", "commit", "dtype", "shape", "sparsity", "batch", "op", "method", "graph_us", "roofline_frac"]
+    times = {("forward", "snack"): 10.0, ("forward", "dense"): 40.0, ("forward", "dense_mask"): 80.0,
+             ("forward", "cusparse_csr"): 25.0, ("dX", "snack"): 12.5, ("SDDMM", "snack"): 9.0,
+             ("backward", "snack"): 20.0, ("backward", "snack_separate"): 21.5}
+    rows = [["H200", "abc", "float32", "64x64", sp, b, op, m, t * (2 if b == 8 else 1), "0.25" if m == "snack" else ""]
+            for sp in ("0.9", "0.99") for b in (1, 8) for (op, m), t in times.items()]
+    path = tmp_path / "k.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([head] + rows)
+    text = plot_kernels.main(["--csv", str(path), "--shape", "64x64", "--markdown"])
+    assert text == capsys.readouterr().out.strip()
+    lines = text.splitlines()
+    assert "| 0.9 | 8 | 20.0 | 80.0 | 160 | 50.0 | 4.00 | 8.00 | 2.50 | 25% | 25.0 | 18.0 | 1.25 | 0.90 | 40.0 | 43.0 |" in lines
+    assert "| 0.99 | 10.00: 4.00 / 8.00 / 2.50x, 25% | 20.00: 4.00 / 8.00 / 2.50x, 25% |" in lines
+    assert _one_line_exit(plot_kernels.main, ["--csv", str(path), "--shape", "8x8", "--markdown"]).startswith("no rows")
