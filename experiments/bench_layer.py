@@ -265,7 +265,9 @@ def capture(fn) -> tuple:
     with torch.cuda.graph(g):
         out = fn()
     torch.cuda.synchronize()
-    return g, out
+    # the static output without its autograd graph: kept with it, that graph's AccumulateGrad
+    # nodes (made on the capture stream) would be reused by the next eager pass on another stream
+    return g, out.detach()
 
 
 def check_graph(g, out: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -285,6 +287,8 @@ def graph_us(fn, g, args) -> float:
     except ImportError:
         do_bench_cudagraph = None
     if do_bench_cudagraph is not None:
+        from snack.layers.functional import settle_autograd
+        settle_autograd()  # (its warm-up call runs on a new stream: no node of an earlier pass reused)
         with torch.cuda.stream(torch.cuda.Stream()):
             return 1e3 * do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median")
     return _events_us(g.replay, args)
