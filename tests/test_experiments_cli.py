@@ -60,6 +60,24 @@ def test_bench_layer_quick_keeps_explicit_sizes():
     assert {k: getattr(a, k) for k in b.DEFAULTS} == b.DEFAULTS
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["adam", "snack-adam"])
+def test_bench_layer_gpu_graphs_reuse_no_autograd_node_across_streams(tmp_path, optimizer):
+    """On the GPU every captured step is checked (output poisoned, replayed, compared) and the
+    timing's own captures reuse no AccumulateGrad node of an earlier pass made on another stream
+    (torch warns about that: kept alive, the captured step's graph did so)."""
+    import warnings
+    from experiments import bench_layer as b
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = b.main(["--quick", "--batches", "8", "--methods", "snack,dense,densemask", "--optimizer", optimizer,
+                       "--energy_seconds", "0.05", "--out", str(tmp_path / "layer.csv")])
+    stream = [str(w.message)[:120] for w in caught if "AccumulateGrad node's stream" in str(w.message)]
+    assert stream == []
+    assert len(rows) == 6 and all(r["graph_check"] == "ok" for r in rows)
+    assert all(r["graph_us"] > 0 and r["eager_us"] > 0 for r in rows)
+
+
 def test_bench_layer_rejects_bad_batches(capsys):
     from experiments import bench_layer as b
     assert "--batches must be" in _usage_error(capsys, b.parse_args, ["--batches", "1,x"])
