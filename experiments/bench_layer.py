@@ -459,11 +459,15 @@ def main(argv=None) -> List[dict]:
     ref = snack.SparseLinear(args.in_features, args.out_features, sparsity=args.sparsity, device=device)
     dense_w = ref.to_dense().detach()
     if device.type == "cuda":
-        # cuBLAS allocates its workspace (32 MB on this GPU) at the first GEMM or GEMV of the
-        # process and keeps it: done here, so that it is not counted in whichever method's step
-        # happens to run cuBLAS first
+        # cuBLAS allocates a workspace (32 MB on this GPU) per handle, i.e. per thread, at its
+        # first GEMM or GEMV there and keeps it: made here for this thread and for autograd's
+        # worker thread of the device (which runs the backward's GEMMs), so that it is not counted
+        # in whichever method's step happens to run cuBLAS first on either
         torch.mv(dense_w[:8, :8], dense_w[0, :8])
         torch.mm(dense_w[:8, :8], dense_w[:8, :8])
+        a = dense_w[:8, :8].clone().requires_grad_()
+        (torch.mm(a, a).sum() + torch.mv(a, a[0]).sum()).backward()
+        del a
         _sync(device)
     env = environment(device)
     nvml = _nvml_handle(device) if device.type == "cuda" else None
