@@ -460,13 +460,12 @@ def main(argv=None) -> List[dict]:
     dense_w = ref.to_dense().detach()
     if device.type == "cuda":
         # cuBLAS allocates a workspace (32 MB on this GPU) per handle, i.e. per thread, at its
-        # first GEMM or GEMV there and keeps it: made here for this thread and for autograd's
-        # worker thread of the device (which runs the backward's GEMMs), so that it is not counted
-        # in whichever method's step happens to run cuBLAS first on either
-        torch.mv(dense_w[:8, :8], dense_w[0, :8])
-        torch.mm(dense_w[:8, :8], dense_w[:8, :8])
+        # first GEMM or GEMV there, and cuBLASLt one more (1 MB) at its first GEMM with a bias
+        # (nn.Linear's addmm), and keeps them: made here for this thread and for autograd's worker
+        # thread of the device (which runs the backward's GEMMs), so that they are not counted in
+        # whichever method's step happens to run such a GEMM first on either
         a = dense_w[:8, :8].clone().requires_grad_()
-        (torch.mm(a, a).sum() + torch.mv(a, a[0]).sum()).backward()
+        (torch.mm(a, a).sum() + torch.mv(a, a[0]).sum() + F.linear(a, a, a[0]).sum()).backward()
         del a
         _sync(device)
     env = environment(device)
