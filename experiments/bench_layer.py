@@ -72,6 +72,7 @@ if str(ROOT) not in sys.path:
 import snack  # noqa: E402
 from snack.layers import backend as snack_backend  # noqa: E402
 from experiments.cli import comma_list, fill_unset  # noqa: E402
+from experiments.cuda_workspaces import make_cublas_workspaces  # noqa: E402
 from experiments.results_io import git_commit, write_csv, write_text  # noqa: E402
 
 METHODS = ("snack", "dense", "densemask", "cusparse")
@@ -459,15 +460,9 @@ def main(argv=None) -> List[dict]:
     ref = snack.SparseLinear(args.in_features, args.out_features, sparsity=args.sparsity, device=device)
     dense_w = ref.to_dense().detach()
     if device.type == "cuda":
-        # cuBLAS allocates a workspace (32 MB on this GPU) per handle, i.e. per thread, at its
-        # first GEMM or GEMV there, and cuBLASLt one more (1 MB) at its first GEMM with a bias
-        # (nn.Linear's addmm), and keeps them: made here for this thread and for autograd's worker
-        # thread of the device (which runs the backward's GEMMs), so that they are not counted in
-        # whichever method's step happens to run such a GEMM first on either
-        a = dense_w[:8, :8].clone().requires_grad_()
-        (torch.mm(a, a).sum() + torch.mv(a, a[0]).sum() + F.linear(a, a, a[0]).sum()).backward()
-        del a
-        _sync(device)
+        # cuBLAS's workspaces (per thread: this one and autograd's worker) made before any
+        # method, so that they are not counted in whichever method's step runs a GEMM first
+        make_cublas_workspaces(device)
     env = environment(device)
     nvml = _nvml_handle(device) if device.type == "cuda" else None
     rows = []

@@ -84,6 +84,38 @@ def test_bench_layer_gpu_graphs_reuse_no_autograd_node_across_streams(tmp_path, 
         assert abs(first - second) < 0.5, (m, first, second)
 
 
+@pytest.mark.gpu
+def test_cublas_workspaces_made_first_leave_a_dense_step_nothing_behind():
+    """In a fresh process: after make_cublas_workspaces, a dense layer's training step (forward
+    with a bias, backward on autograd's thread) leaves no allocation behind once its tensors are
+    gone; without it, the step leaves cuBLAS's workspaces (the benchmarks' peak memory would
+    charge them to the first method)."""
+    code = """
+import torch, torch.nn as nn
+from experiments.cuda_workspaces import make_cublas_workspaces
+def step_leaves():
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    lin = nn.Linear(256, 128, device="cuda")
+    x = torch.randn(16, 256, device="cuda", requires_grad=True)
+    lin(x).sum().backward()
+    del lin, x
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - base
+import sys
+if sys.argv[1] == "first":
+    make_cublas_workspaces("cuda")
+print(step_leaves())
+"""
+    left = {}
+    for mode in ("first", "not"):
+        r = subprocess.run([sys.executable, "-c", code, mode], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        left[mode] = int(r.stdout.split()[-1])
+    assert left["first"] == 0
+    assert left["not"] >= 2 ** 20  # (the control: the workspaces do stay)
+
+
 def test_bench_layer_rejects_bad_batches(capsys):
     from experiments import bench_layer as b
     assert "--batches must be" in _usage_error(capsys, b.parse_args, ["--batches", "1,x"])
