@@ -33,8 +33,8 @@ as eager time (triton.testing.do_bench: median, L2 flushed; what a user's call c
 host overhead included), CUDA-graph time (the whole step captured in torch.cuda.graph, replays
 timed with triton.testing.do_bench_cudagraph, median: GPU time), peak memory of a step
 (torch.cuda.max_memory_allocated above what was allocated before the layer was built: weights,
-gradients, Adam state, input, output and temporaries; cuBLAS's one-off workspace is allocated
-before any method runs) and energy per step (NVML's total-energy
+gradients, Adam state, input, output and temporaries; cuBLAS's one-off workspaces, one per
+thread including autograd's worker, are allocated before any method runs) and energy per step (NVML's total-energy
 counter across replays of the captured step for >= --energy_seconds). Every replayed graph is
 checked first: its output is poisoned with NaN, the graph replayed, the output compared.
 Writes a tidy CSV (one row per method x phase x B, with the GPU, versions, git commit, the
