@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from conftest import MaxNumel
 
-import snack
 from snack import SparseLinear
 from snack.layers.dst import (DynamicSparseTraining, RigL, SET, _free_ranks_to_keys,
                               _sample_distinct, cosine_drop_fraction)

@@ -1,6 +1,5 @@
 """papers/figures.ipynb runs end to end (nbclient, a real Jupyter kernel) and redraws the figures
 from the committed CSVs into a temporary folder."""
-import os
 from pathlib import Path
 
 import pytest

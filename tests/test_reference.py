@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 import torch
 
 from snack.core import COO, sddmm_reference, spmm_reference, spmm_t_reference
