@@ -118,6 +118,26 @@ print(step_leaves())
     assert left["not"] >= 2 ** 20  # (the control: the workspaces do stay)
 
 
+@pytest.mark.gpu
+def test_bench_cold_times_inside_the_graph_and_sees_the_l2(tmp_path):
+    """bench_cold's in-graph event timing: a known GPU sleep reads about its length, reading a
+    buffer that fits in the L2 is not faster after the flush than without it, and a tiny grid
+    writes one checked row per method with positive times."""
+    from experiments import bench_cold as bc
+    sleep = bc.timed_graph_us(lambda: torch.cuda._sleep(2_000_000), copies=3, replays=2)
+    assert 200 < sleep < 10_000  # 2 M cycles at 0.2-10 GHz... in practice ~1-1.4 ms
+    small = torch.ones(4 * 2 ** 20, device="cuda")  # 16 MB
+    warm = bc.timed_graph_us(lambda: small.sum(), copies=10, replays=3)
+    big = torch.ones(bc.FLUSH_BYTES // 4, device="cuda")
+    cold = bc.timed_graph_us(lambda: small.sum(), copies=10, replays=3, flush=lambda: big.sum())
+    assert cold >= 0.95 * warm, (warm, cold)
+    rows = bc.main(["--shape", "1536x1024", "--sparsity", "0.9", "--batch", "8", "--copies", "4",
+                    "--replays", "2", "--out", str(tmp_path / "cold.csv")])
+    assert [r["method"] for r in rows] == list(bc.METHODS)
+    assert all(r["warm_us"] > 0 and r["cold_us"] > 0 and r["rel_err"] < 1e-5 for r in rows)
+    assert rows[0]["snack_speedup_warm"] == rows[0]["snack_speedup_cold"] == 1.0
+
+
 def test_bench_layer_rejects_bad_batches(capsys):
     from experiments import bench_layer as b
     assert "--batches must be" in _usage_error(capsys, b.parse_args, ["--batches", "1,x"])
@@ -227,6 +247,7 @@ def test_train_mnist_refuses_dst_without_a_sparse_model():
     ("bench_kernels", lambda m: m.main(["--quick"])),
     ("tune_kernels", lambda m: m.main([])),
     ("decompose_wide", lambda m: m.main([])),
+    ("bench_cold", lambda m: m.main([])),
     ("profile_launch", lambda m: m.main([])),
     ("profile_launch", lambda m: m.main(["--train", "32"])),
     ("ncu_kernels", lambda m: m.main([])),
@@ -253,9 +274,12 @@ def test_gpu_scripts_check_their_options_first(capsys):
                            ("--ops", "fwd,bwd", "among fwd, dx, sddmm")):
         msg = _usage_error(capsys, tune_kernels.main, [opt, bad])
         assert opt in msg and what in msg, msg
-    from experiments import decompose_wide
+    from experiments import bench_cold, decompose_wide
     for opt, bad in (("--shape", "4096"), ("--sparsity", "-0.1"), ("--batch", "a")):
         assert opt in _usage_error(capsys, decompose_wide.main, [opt, bad])
+        assert opt in _usage_error(capsys, bench_cold.main, [opt, bad])
+    for opt in ("--copies", "--replays"):
+        assert f"{opt} must be >= 1" in _usage_error(capsys, bench_cold.main, [opt, "0"])
     from experiments import bench_layer
     for args, what in ((["--sparsity", "2"], "--sparsity must be in [0, 1)"),
                        (["--in_features", "0"], "--in_features must be >= 1"),

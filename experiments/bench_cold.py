@@ -1,0 +1,145 @@
+"""The forward's GPU time with a cold L2 against a warm one: SNACK, dense, Dense+Mask, cuSPARSE.
+
+bench_kernels.py's GPU times come from replaying a CUDA graph of the op back to back
+(`do_bench_cudagraph`), so whatever an op reads and fits in the L2 (50 MB on the H200) can stay
+there from one replay to the next: SNACK's COO arrays at 90% (20 MB at 4096 x 4096) and
+cuSPARSE's CSR do, dense's 64 MB weight does not. This script times every method's forward in
+both states, the same way, so that the ratios can be read without that question:
+  - each op is captured n times in one CUDA graph, every copy between two timing events
+    (`torch.cuda.Event(enable_timing=True, external=True)`: event record nodes in the graph), so
+    no host launch and no graph launch falls inside a measured interval;
+  - cold: before every copy the graph reads a 256 MB buffer (a sum: the L2 then holds clean
+    lines of that buffer only, so the op pays neither for cached inputs nor for write-backs);
+  - warm: the same graph without the reads (the op's own previous copy ran just before);
+  - medians over the copies and several replays, in us.
+Each point first checks SNACK's output against the dense product.
+
+Usage (GPU machine):  python experiments/bench_cold.py [--sparsity 0.9,0.95,0.99] [--batch 1,8,32,128]
+                      [--shape 4096x4096] [--copies 20] [--replays 5] [--out results/bench_cold.csv]
+Writes a tidy CSV (one row per point and method, with the GPU, versions and git commit; columns
+warm_us, cold_us and the speed-ups of SNACK over each method warm and cold) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
+from experiments.bench_kernels import require_gpu, rel_err, run_metadata  # noqa: E402
+from experiments.cli import comma_list, shape_arg  # noqa: E402
+from experiments.results_io import write_csv  # noqa: E402
+
+FLUSH_BYTES = 256 * 2 ** 20  # > 5x the H200's L2
+METHODS = ("snack", "dense", "dense_mask", "cusparse_csr")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="4096x4096", help="OUTxIN")
+    ap.add_argument("--sparsity", default="0.9,0.95,0.99")
+    ap.add_argument("--batch", default="1,8,32,128")
+    ap.add_argument("--copies", type=int, default=20, help="copies of the op per captured graph")
+    ap.add_argument("--replays", type=int, default=5, help="replays of each graph")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench_cold.csv"))
+    args = ap.parse_args(argv)
+    args.n_out, args.n_in = shape_arg(ap, "shape", args.shape)
+    args.sparsity_list = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0 <= s < 1, "in [0, 1)")
+    args.batch_list = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "positive ints")
+    for key in ("copies", "replays"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key} must be >= 1, got {getattr(args, key)}")
+    return args
+
+
+def timed_graph_us(fn, copies: int, replays: int, flush=None) -> float:
+    """Median GPU time (us) of fn() from `copies` copies captured in one CUDA graph, each between
+    two timing events, each preceded by flush() when given; `replays` replays of that graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the capture (plans, cuBLAS heuristics, pools)
+        for _ in range(3):
+            if flush is not None:
+                flush()
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    marks = [(torch.cuda.Event(enable_timing=True, external=True),
+              torch.cuda.Event(enable_timing=True, external=True)) for _ in range(copies)]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for start, end in marks:
+            if flush is not None:
+                flush()
+            start.record()
+            fn()
+            end.record()
+    g.replay()  # (the first replay uploads the graph)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        g.replay()
+        torch.cuda.synchronize()
+        times += [start.elapsed_time(end) * 1e3 for start, end in marks]
+    del g
+    return statistics.median(times)
+
+
+def main(argv=None):
+    args = parse_args(argv)  # options checked before the GPU check
+    require_gpu("bench_cold.py")  # (run_metadata records triton's version)
+    import snack.gpu as G
+    from snack.core import COO
+
+    dev = torch.device("cuda")
+    meta = run_metadata("float32")
+    buf = torch.ones(FLUSH_BYTES // 4, device=dev)
+
+    def flush():
+        buf.sum()
+
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for sp in args.sparsity_list:
+        coo = COO.random((args.n_out, args.n_in), density=1.0 - sp, generator=gen, device=dev)
+        topo, v = coo.topology, coo.values
+        W = coo.to_dense()
+        M = (W != 0).float()
+        W_csr = W.to_sparse_csr()
+        for B in args.batch_list:
+            x = torch.randn(B, args.n_in, device=dev)
+            xT = x.t().contiguous()
+            y = torch.empty(B, args.n_out, device=dev)
+            y.fill_(float("nan"))
+            G.spmm(x, topo, v, out=y)
+            err = rel_err(y, x.double() @ W.double().T)
+            if not err < 1e-5:
+                raise SystemExit(f"SNACK's forward is wrong at sparsity {sp}, B = {B}: relative error {err:.2e}")
+            fns = {"snack": lambda: G.spmm(x, topo, v, out=y), "dense": lambda: F.linear(x, W),
+                   "dense_mask": lambda: F.linear(x, W * M), "cusparse_csr": lambda: torch.mm(W_csr, xT)}
+            got = {}
+            for name, fn in fns.items():
+                got[name] = (timed_graph_us(fn, args.copies, args.replays),
+                             timed_graph_us(fn, args.copies, args.replays, flush))
+            for name in METHODS:
+                warm, cold = got[name]
+                rows.append(dict(meta, shape=args.shape, sparsity=sp, batch=B, nnz=coo.nnz, op="forward",
+                                 method=name, warm_us=round(warm, 3), cold_us=round(cold, 3),
+                                 snack_speedup_warm=round(warm / got["snack"][0], 3),
+                                 snack_speedup_cold=round(cold / got["snack"][1], 3), rel_err=err))
+            print(f"sparsity {sp}, B = {B}: " + ", ".join(
+                f"{n} {got[n][0]:.2f} / {got[n][1]:.2f}" for n in METHODS) + " us (warm / cold L2)", flush=True)
+    write_csv(args.out, rows)
+    print(f"wrote {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
