@@ -192,13 +192,9 @@ def warm_up(build, device, args) -> None:
     """One throwaway training step of build()'s model, then nothing kept but what the libraries
     keep for good: cuBLAS / cuBLASLt allocate a workspace per thread (this one, and autograd's
     worker of the device, which runs the backward's GEMMs) at their first GEMMs, which would
-    otherwise count in the peak memory of whichever method runs first."""
-    model = build().to(device).train()
-    float(train_step(model, device, args)().detach())
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    otherwise count in the peak memory of whichever method runs first. (measure_train frees
+    the model's memory before it takes its baseline.)"""
+    float(train_step(build().to(device).train(), device, args)().detach())
 
 
 def measure_train(build, device, args) -> Dict[str, float]:
