@@ -4,20 +4,26 @@ bench_kernels.py's GPU times come from replaying a CUDA graph of the op back to 
 (`do_bench_cudagraph`), so whatever an op reads and fits in the L2 (50 MB on the H200) can stay
 there from one replay to the next: SNACK's COO arrays at 90% (20 MB at 4096 x 4096) and
 cuSPARSE's CSR do, dense's 64 MB weight does not. This script times every method's forward in
-both states, the same way, so that the ratios can be read without that question:
-  - each op is captured n times in one CUDA graph, every copy between two timing events
-    (`torch.cuda.Event(enable_timing=True, external=True)`: event record nodes in the graph), so
-    no host launch and no graph launch falls inside a measured interval;
-  - cold: before every copy the graph reads a 256 MB buffer (a sum: the L2 then holds clean
-    lines of that buffer only, so the op pays neither for cached inputs nor for write-backs);
-  - warm: the same graph without the reads (the op's own previous copy ran just before);
-  - medians over the copies and several replays, in us.
-Each point first checks SNACK's output against the dense product.
+both states, two ways, so that the ratios can be read without that question:
+  - cold: before every copy of the op the graph reads a 256 MB buffer (a sum: the L2 then holds
+    clean lines of that buffer only, so the op pays neither for cached inputs nor for
+    write-backs); warm: no reads (the op's own previous copy ran just before);
+  - replay (warm_us, cold_us; the primary columns, on bench_kernels' footing): a graph of
+    `copies` copies of the op, each preceded by the read when cold, timed whole; cold_us
+    subtracts a graph of the reads alone (flush_us); medians over the replays, per copy;
+  - events (event_warm_us, event_cold_us): every copy between two timing events
+    (`torch.cuda.Event(enable_timing=True, external=True)`: record nodes in the graph), so
+    nothing but the op falls inside the interval, median over copies and replays; the record
+    nodes cost time of their own (event_gap_us: an interval with nothing in it), so these read
+    higher than the replay columns by about that much, for every method alike.
+Each point first checks SNACK's output against the dense product; SNACK's HBM roofline fraction
+(bench_kernels' bytes over the measured copy bandwidth) is given warm and cold.
 
 Usage (GPU machine):  python experiments/bench_cold.py [--sparsity 0.9,0.95,0.99] [--batch 1,8,32,128]
-                      [--shape 4096x4096] [--copies 20] [--replays 5] [--out results/bench_cold.csv]
-Writes a tidy CSV (one row per point and method, with the GPU, versions and git commit; columns
-warm_us, cold_us and the speed-ups of SNACK over each method warm and cold) and prints a table.
+                      [--shape 4096x4096] [--copies 20] [--replays 10] [--out results/bench_cold.csv]
+Writes a tidy CSV (one row per point and method, with the GPU, versions and git commit, the times
+above and the speed-ups of SNACK over each method, warm and cold, on the replay columns) and
+prints a table.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
-from experiments.bench_kernels import require_gpu, rel_err, run_metadata  # noqa: E402
+from experiments.bench_kernels import copy_bandwidth, forward_floor_bytes, require_gpu, rel_err, run_metadata  # noqa: E402
 from experiments.cli import comma_list, shape_arg  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
@@ -46,7 +52,7 @@ def parse_args(argv=None):
     ap.add_argument("--sparsity", default="0.9,0.95,0.99")
     ap.add_argument("--batch", default="1,8,32,128")
     ap.add_argument("--copies", type=int, default=20, help="copies of the op per captured graph")
-    ap.add_argument("--replays", type=int, default=5, help="replays of each graph")
+    ap.add_argument("--replays", type=int, default=10, help="replays of each graph")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_cold.csv"))
     args = ap.parse_args(argv)
@@ -59,9 +65,9 @@ def parse_args(argv=None):
     return args
 
 
-def timed_graph_us(fn, copies: int, replays: int, flush=None) -> float:
-    """Median GPU time (us) of fn() from `copies` copies captured in one CUDA graph, each between
-    two timing events, each preceded by flush() when given; `replays` replays of that graph."""
+def _graph(fn, copies: int, flush=None, marks=None):
+    """A CUDA graph of `copies` copies of fn(), each preceded by flush() when given and, with
+    marks (pairs of external timing events), recorded between its pair; warmed up and uploaded."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up outside the capture (plans, cuBLAS heuristics, pools)
@@ -71,23 +77,50 @@ def timed_graph_us(fn, copies: int, replays: int, flush=None) -> float:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    marks = [(torch.cuda.Event(enable_timing=True, external=True),
-              torch.cuda.Event(enable_timing=True, external=True)) for _ in range(copies)]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for start, end in marks:
+        for i in range(copies):
             if flush is not None:
                 flush()
-            start.record()
+            if marks is not None:
+                marks[i][0].record()
             fn()
-            end.record()
+            if marks is not None:
+                marks[i][1].record()
     g.replay()  # (the first replay uploads the graph)
     torch.cuda.synchronize()
+    return g
+
+
+def timed_graph_us(fn, copies: int, replays: int, flush=None) -> float:
+    """Median GPU time (us) of fn() from `copies` copies captured in one CUDA graph, each between
+    two timing events, each preceded by flush() when given; `replays` replays of that graph.
+    The interval also holds the record nodes' own cost (`event_gap_us`: fn doing nothing)."""
+    marks = [(torch.cuda.Event(enable_timing=True, external=True),
+              torch.cuda.Event(enable_timing=True, external=True)) for _ in range(copies)]
+    g = _graph(fn, copies, flush, marks)
     times = []
     for _ in range(replays):
         g.replay()
         torch.cuda.synchronize()
         times += [start.elapsed_time(end) * 1e3 for start, end in marks]
+    del g
+    return statistics.median(times)
+
+
+def replay_us(fn, copies: int, replays: int, flush=None) -> float:
+    """GPU time (us) of one replay of a graph of `copies` copies of fn() (each preceded by flush()
+    when given) over `copies`, median of `replays` replays: bench_kernels' graph time when
+    flush is None. With a flush, subtract replay_us(lambda: None, ..., flush) for fn's cold time."""
+    g = _graph(fn, copies, flush)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / copies)
     del g
     return statistics.median(times)
 
@@ -104,6 +137,9 @@ def main(argv=None):
 
     def flush():
         buf.sum()
+
+    bw = copy_bandwidth()
+    gap_us = timed_graph_us(lambda: None, args.copies, args.replays)  # two record nodes, nothing between
 
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
@@ -124,18 +160,31 @@ def main(argv=None):
                 raise SystemExit(f"SNACK's forward is wrong at sparsity {sp}, B = {B}: relative error {err:.2e}")
             fns = {"snack": lambda: G.spmm(x, topo, v, out=y), "dense": lambda: F.linear(x, W),
                    "dense_mask": lambda: F.linear(x, W * M), "cusparse_csr": lambda: torch.mm(W_csr, xT)}
+            flush_us = replay_us(lambda: None, args.copies, args.replays, flush)
             got = {}
             for name, fn in fns.items():
-                got[name] = (timed_graph_us(fn, args.copies, args.replays),
-                             timed_graph_us(fn, args.copies, args.replays, flush))
+                got[name] = dict(
+                    warm_us=replay_us(fn, args.copies, args.replays),
+                    cold_us=replay_us(fn, args.copies, args.replays, flush) - flush_us,
+                    event_warm_us=timed_graph_us(fn, args.copies, args.replays),
+                    event_cold_us=timed_graph_us(fn, args.copies, args.replays, flush))
+            floor = forward_floor_bytes(coo.nnz, B, args.n_out, args.n_in)
             for name in METHODS:
-                warm, cold = got[name]
-                rows.append(dict(meta, shape=args.shape, sparsity=sp, batch=B, nnz=coo.nnz, op="forward",
-                                 method=name, warm_us=round(warm, 3), cold_us=round(cold, 3),
-                                 snack_speedup_warm=round(warm / got["snack"][0], 3),
-                                 snack_speedup_cold=round(cold / got["snack"][1], 3), rel_err=err))
+                t, ts = got[name], got["snack"]
+                row = dict(meta, shape=args.shape, sparsity=sp, batch=B, nnz=coo.nnz, op="forward",
+                           method=name, **{k: round(u, 3) for k, u in t.items()},
+                           flush_us=round(flush_us, 3), event_gap_us=round(gap_us, 3),
+                           snack_speedup_warm=round(t["warm_us"] / ts["warm_us"], 3),
+                           snack_speedup_cold=round(t["cold_us"] / ts["cold_us"], 3),
+                           roofline_frac_warm="", roofline_frac_cold="", rel_err=err)
+                if name == "snack":
+                    for state in ("warm", "cold"):
+                        row[f"roofline_frac_{state}"] = round(floor / bw / (t[f"{state}_us"] * 1e-6), 4)
+                rows.append(row)
             print(f"sparsity {sp}, B = {B}: " + ", ".join(
-                f"{n} {got[n][0]:.2f} / {got[n][1]:.2f}" for n in METHODS) + " us (warm / cold L2)", flush=True)
+                f"{n} {got[n]['warm_us']:.2f} / {got[n]['cold_us']:.2f}" for n in METHODS)
+                + f" us (warm / cold L2); SNACK's roofline {rows[-4]['roofline_frac_warm']:.0%}"
+                f" / {rows[-4]['roofline_frac_cold']:.0%}", flush=True)
     write_csv(args.out, rows)
     print(f"wrote {args.out}")
     return rows

@@ -80,6 +80,12 @@ def copy_bandwidth() -> float:
     return 2 * n * 4 / (ms * 1e-3)
 
 
+def forward_floor_bytes(nnz: int, batch: int, n_out: int, n_in: int, esize: int = 4) -> int:
+    """Bytes SNACK's forward must move at least: an int32 row and column and a value per
+    non-zero, and X and Y once (the roofline's numerator)."""
+    return (8 + esize) * nnz + esize * batch * (n_in + n_out)
+
+
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     a = a.double()
     if not torch.isfinite(a).all():
@@ -182,7 +188,7 @@ def main(argv=None):
         del refs
         nnz = coo.nnz
         esize = v.element_size()
-        floor_bytes = (8 + esize) * nnz + esize * B * (n_in + n_out)
+        floor_bytes = forward_floor_bytes(nnz, B, n_out, n_in, esize)
         methods = {
             "forward": {
                 "snack": (lambda: G.spmm(x, topo, v), lambda: G.spmm(x, topo, v, out=y)),

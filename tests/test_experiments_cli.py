@@ -120,22 +120,32 @@ print(step_leaves())
 
 @pytest.mark.gpu
 def test_bench_cold_times_inside_the_graph_and_sees_the_l2(tmp_path):
-    """bench_cold's in-graph event timing: a known GPU sleep reads about its length, reading a
-    buffer that fits in the L2 is not faster after the flush than without it, and a tiny grid
-    writes one checked row per method with positive times."""
+    """bench_cold's two timings: a known GPU sleep reads about its length in both, reading a
+    buffer that fits in the L2 is not faster after the flush than without it (and the replay's
+    subtraction of the flush leaves a positive time), and a tiny grid writes one checked row per
+    method with positive times."""
     from experiments import bench_cold as bc
     sleep = bc.timed_graph_us(lambda: torch.cuda._sleep(2_000_000), copies=3, replays=2)
     assert 200 < sleep < 10_000  # 2 M cycles at 0.2-10 GHz... in practice ~1-1.4 ms
+    sleep_replay = bc.replay_us(lambda: torch.cuda._sleep(2_000_000), copies=3, replays=2)
+    assert 0.8 * sleep < sleep_replay < 1.2 * sleep, (sleep, sleep_replay)
     small = torch.ones(4 * 2 ** 20, device="cuda")  # 16 MB
-    warm = bc.timed_graph_us(lambda: small.sum(), copies=10, replays=3)
     big = torch.ones(bc.FLUSH_BYTES // 4, device="cuda")
+    warm = bc.timed_graph_us(lambda: small.sum(), copies=10, replays=3)
     cold = bc.timed_graph_us(lambda: small.sum(), copies=10, replays=3, flush=lambda: big.sum())
     assert cold >= 0.95 * warm, (warm, cold)
+    warm = bc.replay_us(lambda: small.sum(), copies=10, replays=5)
+    flush = bc.replay_us(lambda: None, copies=10, replays=5, flush=lambda: big.sum())
+    cold = bc.replay_us(lambda: small.sum(), copies=10, replays=5, flush=lambda: big.sum()) - flush
+    assert cold >= 0.9 * warm > 0, (warm, cold)
     rows = bc.main(["--shape", "1536x1024", "--sparsity", "0.9", "--batch", "8", "--copies", "4",
                     "--replays", "2", "--out", str(tmp_path / "cold.csv")])
     assert [r["method"] for r in rows] == list(bc.METHODS)
-    assert all(r["warm_us"] > 0 and r["cold_us"] > 0 and r["rel_err"] < 1e-5 for r in rows)
+    for r in rows:
+        assert min(r["warm_us"], r["cold_us"], r["event_warm_us"], r["event_cold_us"]) > 0, r
+        assert r["rel_err"] < 1e-5 and r["flush_us"] > 0 and r["event_gap_us"] >= 0
     assert rows[0]["snack_speedup_warm"] == rows[0]["snack_speedup_cold"] == 1.0
+    assert 0 < rows[0]["roofline_frac_cold"] < 1.5 and rows[1]["roofline_frac_cold"] == ""
 
 
 def test_bench_layer_rejects_bad_batches(capsys):
