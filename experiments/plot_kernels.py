@@ -6,10 +6,12 @@ it has not read from the CSV.
   per sparsity, log scale; plus SNACK's dX and SDDMM and its fraction of the HBM roofline.
 With --markdown it prints the README's tables from the CSV instead: the grid (forward against
 dense, Dense+Mask and cuSPARSE, roofline, dX, SDDMM, backward; one row per sparsity and batch)
-and the target points (forward, speed-ups, roofline; one row per sparsity).
+and the target points (forward, speed-ups, roofline; one row per sparsity). With --markdown
+--cold it prints the cold-L2 table from results/bench_cold.csv (experiments/bench_cold.py).
 
 Usage: python experiments/plot_kernels.py [--csv results/bench_kernels.csv] [--out papers/fig_kernels.png]
        python experiments/plot_kernels.py --markdown [--csv results/bench_kernels_quick.csv]
+       python experiments/plot_kernels.py --markdown --cold [--csv results/bench_cold.csv]
 """
 from __future__ import annotations
 
@@ -77,13 +79,52 @@ def markdown_tables(rows, shape: str, source: str) -> str:
     return "\n".join(out)
 
 
+COLD_COLUMNS = ("shape", "method", "sparsity", "batch", "warm_us", "cold_us", "roofline_frac_cold")
+
+
+def cold_table(rows, shape: str, source: str) -> str:
+    """The README's cold-L2 table from bench_cold.py rows: per point SNACK's forward warm -> cold
+    (us), its cold speed-ups over dense / Dense+Mask / cuSPARSE and its cold roofline fraction."""
+    t = defaultdict(dict)  # (sparsity, batch) -> {method: row}
+    for r in rows:
+        if r["shape"] == shape:
+            t[(float(r["sparsity"]), int(r["batch"]))][r["method"]] = r
+    if not t:
+        raise SystemExit(f"no rows for shape {shape} in {source}")
+    batches = sorted({b for _, b in t})
+    out = ["| sparsity | " + " | ".join(f"B = {b}" for b in batches) + " |", "| --- |" + " --- |" * len(batches)]
+    for sp in sorted({s for s, _ in t}):
+        cells = []
+        for b in batches:
+            m = t.get((sp, b), {})
+            if "snack" not in m:
+                cells.append("")
+                continue
+            c = float(m["snack"]["cold_us"])
+            x = " / ".join(f"{float(m[n]['cold_us']) / c:.2f}" if n in m else "-"
+                           for n in ("dense", "dense_mask", "cusparse_csr"))
+            cells.append(f"{float(m['snack']['warm_us']):.2f} -> {c:.2f}: {x}x, "
+                         f"{100 * float(m['snack']['roofline_frac_cold']):.0f}%")
+        out.append(f"| {sp:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=DEFAULT_CSV)
     ap.add_argument("--out", default=str(ROOT / "papers" / "fig_kernels.png"))
     ap.add_argument("--shape", default="4096x4096")
     ap.add_argument("--markdown", action="store_true", help="print the README tables instead of drawing")
+    ap.add_argument("--cold", action="store_true", help="with --markdown: the cold-L2 table of bench_cold.py's CSV")
     args = ap.parse_args(argv)
+    if args.cold:
+        if not args.markdown:
+            ap.error("--cold goes with --markdown")
+        if args.csv == DEFAULT_CSV:
+            args.csv = str(ROOT / "results" / "bench_cold.csv")
+        text = cold_table(read_rows(args.csv, COLD_COLUMNS, "bench_cold.py"), args.shape, args.csv)
+        print(text)
+        return text
     if not csv_to_plot(args.csv, DEFAULT_CSV, "bench_kernels.py", " on a GPU"):
         return None
     if args.markdown:

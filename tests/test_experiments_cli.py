@@ -436,3 +436,25 @@ def test_plot_kernels_markdown_tables_from_the_csv(tmp_path, capsys):
     assert "| 0.9 | 8 | 20.0 | 80.0 | 160 | 50.0 | 4.00 | 8.00 | 2.50 | 25% | 25.0 | 18.0 | 1.25 | 0.90 | 40.0 | 43.0 |" in lines
     assert "| 0.99 | 10.00: 4.00 / 8.00 / 2.50x, 25% | 20.00: 4.00 / 8.00 / 2.50x, 25% |" in lines
     assert _one_line_exit(plot_kernels.main, ["--csv", str(path), "--shape", "8x8", "--markdown"]).startswith("no rows")
+
+
+def test_plot_kernels_cold_table_from_bench_cold_csv(tmp_path, capsys):
+    # the cold-L2 table: SNACK warm -> cold, speed-ups on the cold times, cold roofline; a method
+    # missing from a point reads "-", a point missing from the grid an empty cell
+    from experiments import plot_kernels
+    head = ["shape", "sparsity", "batch", "method", "warm_us", "cold_us", "roofline_frac_cold"]
+    cold = {"snack": (4.0, 5.0, "0.5"), "dense": (20.0, 20.0, ""), "dense_mask": (60.0, 70.0, ""),
+            "cusparse_csr": (10.0, 16.0, "")}
+    rows = [["64x64", "0.9", 1, m, w, c, r] for m, (w, c, r) in cold.items()]
+    rows += [["64x64", "0.99", 8, m, w, c, r] for m, (w, c, r) in cold.items() if m != "cusparse_csr"]
+    path = tmp_path / "cold.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([head] + rows)
+    text = plot_kernels.main(["--csv", str(path), "--shape", "64x64", "--markdown", "--cold"])
+    assert text == capsys.readouterr().out.strip()
+    lines = text.splitlines()
+    assert lines[0] == "| sparsity | B = 1 | B = 8 |"
+    assert "| 0.90 | 4.00 -> 5.00: 4.00 / 14.00 / 3.20x, 50% |  |" in lines
+    assert "| 0.99 |  | 4.00 -> 5.00: 4.00 / 14.00 / -x, 50% |" in lines
+    assert "--cold goes with --markdown" in _usage_error(capsys, plot_kernels.main, ["--csv", str(path), "--cold"])
+    assert _one_line_exit(plot_kernels.main, ["--csv", str(path), "--markdown", "--cold"]).startswith("no rows")
