@@ -863,7 +863,7 @@ def _make_stage_quad(ld, plain=False):
 def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
                           rows4: bool = False, own: bool = False, threads: int = 1024, per_lane: int = 4,
-                          probe: int = 0, vkind: Optional[int] = None, lane: bool = False):
+                          probe: int = 0, vkind: Optional[int] = None):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -914,29 +914,21 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     columns 4k .. 4k + 3 of the row's sum in lane k. `threads` is the launch bound (block size
     the kernel is compiled for: 64 registers at 1024, 128 at 512); `per_lane` (own): entries each
     lane takes per round (their loads in flight together, one round ahead).
-    `lane` (for very short segments; not with `fused`, `rows4` or `own`): a lane per row. Lane t
-    of the block takes rows r0 + t, r0 + t + blockDim, ..., walks its row's segment alone,
-    `per_lane` entries per round, with 32 accumulators (a non-zero: 8 16-byte shared-memory
-    reads and 32 FMAs, chunk i ^ (t & 7) at the i-th read, as in `own`: 8 lanes of a quarter
-    warp on 8 distinct bank quads) and adds them to its row of the output tile itself: no
-    shuffle, no group set-up, no butterfly; a warp waits for its longest segment.
     `probe` (timing decomposition only, results wrong): bits leave phases out, 1 the staging,
     2 the rows, 4 the output flush, 8 the lane-owned products. `vkind`: the kind of val and
     bias, None for x's (dv and db keep x's kind).
     """
     return _spmm_wide_kernel(int(kind), bool(has_perm), sums, bool(has_bias), bool(idx16), bool(fused),
                              bool(with_db), bool(rows4), bool(own), int(threads), int(per_lane), int(probe),
-                             _vkind(kind, vkind), bool(lane))
+                             _vkind(kind, vkind))
 
 
 @functools.lru_cache(maxsize=None)
 def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, rows4, own, threads, per_lane,
-                      probe, vkind, lane=False):
+                      probe, vkind):
     """make_spmm_wide_kernel, cached on its arguments however they were passed."""
     if own and (fused or rows4):
         raise ValueError("own is a variant of the plain SpMMs, without fused or rows4")
-    if lane and (fused or rows4 or own):
-        raise ValueError("lane is a variant of the plain SpMMs, without fused, rows4 or own")
     if fused and (not has_perm or has_bias):
         raise ValueError("the fused backward runs on the transposed order (has_perm) without a bias")
     if with_db and not fused:
@@ -954,14 +946,13 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     WITH_DB = with_db
     ROWS4 = rows4
     OWN = own
-    LANE = lane
-    U = per_lane if (own or lane) else 1
+    U = per_lane if own else 1
     ROWG = rows4 or own  # a row per group of 8 lanes
     P_STAGE = (probe & 1) == 0
     P_ROWS = (probe & 2) == 0
     P_FLUSH = (probe & 4) == 0
     P_FMA = (probe & 8) == 0
-    stage = _make_stage_quad(ld, plain=own or lane)
+    stage = _make_stage_quad(ld, plain=own)
     col4 = _make_col4(ld)
 
     @cuda.jit(device=True, inline=True)
@@ -1022,17 +1013,9 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
             # rows are software-pipelined: the first row's segment bounds and first non-zeros
             # are requested before the staging; the next row's bounds when a row starts, and
             # its first non-zeros with the row's last step (one stream of steps across the rows)
-            if LANE:
-                r = int32(r0 + tid)
-            elif ROWG:
-                r = int32(r0 + 4 * (tid >> 5) + g)
-            else:
-                r = int32(r0 + (tid >> 5))
+            r = int32(r0 + 4 * (tid >> 5) + g) if ROWG else int32(r0 + (tid >> 5))
             s0, s1 = _bounds(seg, r * nch + ch, r < r1)
-            if LANE:
-                for u in range(U):
-                    crs[u], vas[u] = load_nz(idx, val, perm, int32(s0 + u), s1, c0)
-            elif OWN:
+            if OWN:
                 for u in range(U):
                     crs[u], vas[u] = load_nz(idx, val, perm, int32(s0 + kq + 8 * u), s1, c0)
             else:
@@ -1052,45 +1035,14 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                         tb += xs[uint32((cl << 5) | ((cl + i) & 31))]
                     db[uint32(c0 + cl)] = cv(tb)
                     cl += nthreads
-            # (ROWG: the warp's first row of the four; LANE: each lane's own row, lanes diverge)
-            while P_ROWS and (r if LANE else r - g if ROWG else r) < r1:
-                if LANE:
-                    rn = int32(r + nthreads)
-                else:
-                    rn = int32(r + (4 * nwarps if ROWG else nwarps))
+            while P_ROWS and (r - g if ROWG else r) < r1:  # (ROWG: the warp's first row of the four)
+                rn = int32(r + (4 * nwarps if ROWG else nwarps))
                 ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
                 a0 = float32(0.0)
                 a1 = float32(0.0)
                 a2 = float32(0.0)
                 a3 = float32(0.0)
-                if LANE:
-                    # the lane walks its row alone, U entries per round, the next round's U (or
-                    # the next row's first U) loaded during the current one
-                    ng = int32(s1 - s0)
-                    for j in range(32):
-                        acc[j] = float32(0.0)
-                    t = int32(0)
-                    while t < ng:
-                        for u in range(U):
-                            ccur[u] = int32((int32(crs[u] - c0) << 5) | k4)
-                            vcur[u] = vas[u]
-                        more = t + int32(U) < ng
-                        e0 = int32(s0 + t + int32(U) if more else ns0)
-                        e1 = int32(s1 if more else ns1)
-                        for u in range(U):
-                            crs[u], vas[u] = load_nz(idx, val, perm, int32(e0 + u), e1, c0)
-                        for u in range(U):
-                            if P_FMA and t + u < ng:
-                                ca = ccur[u]
-                                vc = vcur[u]
-                                for i in range(8):
-                                    p = uint32((ca ^ (i << 2)) & -4)  # chunk i ^ kq: a multiple of 4
-                                    acc[4 * i] += vc * xs[p]
-                                    acc[4 * i + 1] += vc * xs[p + 1]
-                                    acc[4 * i + 2] += vc * xs[p + 2]
-                                    acc[4 * i + 3] += vc * xs[p + 3]
-                        t = int32(t + int32(U))
-                elif OWN:
+                if OWN:
                     # lane kq of a group takes entries 8i + kq of its row, U per round (entries
                     # t + 8u + kq, u < U), the next round's U loaded during the current one; the
                     # warp runs as many sub-steps as its longest segment needs
@@ -1206,14 +1158,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                         va = vn
                         base = nb
                 if s0 < s1:
-                    if LANE:  # the lane's row: acc chunk i holds batch columns 4 (i ^ kq) .. + 3
-                        for i in range(8):
-                            o = uint32(ybase + (r - r0) * 33 + ((i ^ kq) << 2))
-                            xs[o] += acc[4 * i]
-                            xs[o + 1] += acc[4 * i + 1]
-                            xs[o + 2] += acc[4 * i + 2]
-                            xs[o + 3] += acc[4 * i + 3]
-                    elif OWN:  # batch columns 4kq .. 4kq + 3 of the group's own row
+                    if OWN:  # batch columns 4kq .. 4kq + 3 of the group's own row
                         o = uint32(ybase + (r - r0) * 33 + k4)
                         xs[o] += acc[0]
                         xs[o + 1] += acc[1]
@@ -1240,10 +1185,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                         col = k4 + (2 if hi8 else 0) + (1 if hi16 else 0)
                         xs[uint32(ybase + (r - r0) * 33 + col)] += tk
                 else:  # an empty segment requested nothing: the next row's first entries
-                    if LANE:
-                        for u in range(U):
-                            crs[u], vas[u] = load_nz(idx, val, perm, int32(ns0 + u), ns1, c0)
-                    elif OWN:
+                    if OWN:
                         for u in range(U):
                             crs[u], vas[u] = load_nz(idx, val, perm, int32(ns0 + kq + 8 * u), ns1, c0)
                     else:
@@ -1331,8 +1273,8 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                           f"{'_' + sums if sums else ''}{'_bias' if has_bias else ''}"
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
                           f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
-                          f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own or lane else ''}"
-                          f"{'_lane' if lane else ''}{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
+                          f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}"
+                          f"{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
     return _jit(spmm_wide, launch_bounds=(threads,))
 
 

@@ -397,8 +397,7 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     mode = _sum_mode()
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
                                CLUSTER_SUMS,
-                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE,
-                               WIDE_LANE, WIDE_LANE_BELOW, WIDE_LANE_THREADS),
+                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
 
@@ -436,24 +435,6 @@ WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_TH
 WIDE_PROBE = 0
 
 
-# The wide SpMMs with a lane per row (kernels.make_spmm_wide_kernel(lane=True)): each lane walks
-# its row's segment alone with 32 accumulators and adds them to the output tile itself, for
-# segments so short that the per-segment work of the other modes (group set-up, shuffles, sums
-# over lanes) outweighs the products. WIDE_LANE: None (default) for the rule, segments holding
-# fewer than WIDE_LANE_BELOW non-zeros on average, or True / False to force it; WIDE_LANE_THREADS
-# threads per block (32 accumulators: the 128 registers of a 512-thread bound).
-WIDE_LANE: Optional[bool] = None
-WIDE_LANE_BELOW = 0
-WIDE_LANE_THREADS = 512
-
-
-def _wide_lane(topo, n_rows: int, nch: int) -> bool:
-    """Whether a wide SpMM runs a lane per row (see WIDE_LANE)."""
-    if WIDE_LANE is not None:
-        return bool(WIDE_LANE)
-    return topo.nnz < WIDE_LANE_BELOW * n_rows * nch
-
-
 def _wide_own(transposed: bool, short: bool) -> bool:
     """Whether a wide SpMM runs lane-owned (see WIDE_OWN)."""
     if WIDE_OWN is not None:
@@ -461,26 +442,23 @@ def _wide_own(transposed: bool, short: bool) -> bool:
     return not transposed and not short
 
 
-WIDE_MODES = ("auto", "warp", "rows4", "own", "lane")
+WIDE_MODES = ("auto", "warp", "rows4", "own")
 
 
 @contextlib.contextmanager
 def wide_mode(mode: str, sddmm: bool = False):
     """Within the block, the 32-wide SpMMs take their rows in mode `mode`: "auto" (the defaults:
-    WIDE_LANE, WIDE_OWN, WIDE_ROWS4_BELOW), "warp" (a warp per row), "rows4" (a row per group of
-    8 lanes), "own" (a row per group of 8 lanes, lanes owning whole non-zeros) or "lane" (a row
-    per lane); the fused backward keeps its own. With `sddmm` the wide SDDMM follows too
-    (SDDMM_ROWS4): a row per group of 8 lanes in "rows4", a warp per row in "warp", "own" and
-    "lane" (it has neither lane-owned mode), its rule in
+    WIDE_OWN, WIDE_ROWS4_BELOW), "warp" (a warp per row), "rows4" (a row per group of 8 lanes) or
+    "own" (a row per group of 8 lanes, lanes owning whole non-zeros); the fused backward keeps
+    its own. With `sddmm` the wide SDDMM follows too (SDDMM_ROWS4): a row per group of 8 lanes
+    in "rows4", a warp per row in "warp" and "own" (it has no lane-owned mode), its rule in
     "auto"; without, it keeps its rule (`_sddmm_rows4`, which reads WIDE_ROWS4_BELOW too). For
     A/B runs (experiments/tune_kernels.py --wide-modes), tests and the sanitizer run; it sets
     this module's knobs, so it is not meant for threads running ops at the same time."""
-    global WIDE_LANE, WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4
+    global WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4
     if mode not in WIDE_MODES:
         raise ValueError(f"mode must be one of {WIDE_MODES}, got {mode!r}")
-    saved = WIDE_LANE, WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4
-    if mode != "auto":
-        WIDE_LANE = mode == "lane"
+    saved = WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4
     if mode == "warp":
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 0
     elif mode == "rows4":
@@ -492,7 +470,7 @@ def wide_mode(mode: str, sddmm: bool = False):
     try:
         yield
     finally:
-        WIDE_LANE, WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4 = saved
+        WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4 = saved
 
 
 def _short_segments(topo, n_rows: int, nch: int) -> bool:
@@ -553,24 +531,19 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
     idx16 = idx.dtype == torch.uint16
     if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo):
         nch = wide_chunks(n_cols, device, chunks, batch)[0]
-        lane = _wide_lane(topo, n_rows, nch)
-        own = not lane and _wide_own(transposed, _short_segments(topo, n_rows, nch))
-        if lane:
-            bound = WIDE_LANE_THREADS
-            wthreads = min(threads, bound)
-        else:
-            bound = (WIDE_OWN_BOUND or WIDE_OWN_THREADS) if own else 1024
-            wthreads = min(threads, WIDE_OWN_THREADS, bound) if own else threads
+        own = _wide_own(transposed, _short_segments(topo, n_rows, nch))
+        bound = (WIDE_OWN_BOUND or WIDE_OWN_THREADS) if own else 1024
+        wthreads = min(threads, WIDE_OWN_THREADS, bound) if own else threads
         wp = _wide_plan(n_rows, n_cols, batch, device, wthreads, chunks, split, 65536 // bound)
         if wp is not None:
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
-            rows4 = not (own or lane) and _short_segments(topo, n_rows, nch)  # a row per lane group
+            rows4 = not own and _short_segments(topo, n_rows, nch)  # a row per lane group
 
             def make(sums):
                 return kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
                                                      own=own, threads=bound, per_lane=WIDE_OWN_PER_LANE,
-                                                     probe=WIDE_PROBE, vkind=vkind, lane=lane)
+                                                     probe=WIDE_PROBE, vkind=vkind)
             kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
                 make, mode, wp, ntiles, n_rows, wthreads, device,
                 _wide_dtypes(kind, vkind, idx.dtype, fused=False))

@@ -73,7 +73,7 @@ def test_wide_variants(B, chunks, gen):
     _run_all(coo, B, torch.float32, gen, wide=True, chunks=chunks)
 
 
-@pytest.mark.parametrize("mode", ["warp", "rows4", "own", "lane"])
+@pytest.mark.parametrize("mode", ["warp", "rows4", "own"])
 @pytest.mark.parametrize("B,chunks,dtype", [(40, 2, torch.float32), (128, None, torch.bfloat16), (33, 3, torch.float16)])
 def test_wide_modes_on_short_and_long_segments(mode, B, chunks, dtype, gen):
     # a warp per row, a row per group of 8 lanes (the default for short segments) or lane-owned
@@ -123,7 +123,6 @@ def test_forward_with_fused_bias(B, kw, dtype, gen):
     (32, None, None, torch.float32, None),       # the default 4 chunks at B = 32: clusters of 4 blocks
     (64, 4, 2, torch.float32, "warp"),           # 2 groups of 2 chunks each
     (40, 3, None, torch.float16, "own"),
-    (40, 3, None, torch.bfloat16, "lane"),
     (128, None, None, torch.bfloat16, "rows4"),  # 3 chunks x 4 batch tiles
     (17, 8, None, torch.float32, "warp"),        # the largest portable cluster
     (33, 9, None, torch.float32, None),          # 9 groups: atomics
@@ -179,7 +178,7 @@ def test_wide_flush_with_more_rows_than_threads(monkeypatch, chunks, gen):
     _run_all(coo, 40, torch.float32, gen, wide=True, chunks=chunks)
 
 
-@pytest.mark.parametrize("mode", ["warp", "rows4", "own", "lane"])
+@pytest.mark.parametrize("mode", ["warp", "rows4", "own"])
 @pytest.mark.parametrize("threads,B,chunks", [(640, 32, 5), (640, 128, 4), (768, 128, 4), (96, 40, 2)])
 def test_wide_block_sizes_not_a_power_of_two(monkeypatch, mode, threads, B, chunks, gen):
     # 4096 x 4096 at 90 %: blocks of 640 or 768 threads (the lane-owned SpMMs compiled for as
@@ -188,7 +187,6 @@ def test_wide_block_sizes_not_a_power_of_two(monkeypatch, mode, threads, B, chun
     from snack.gpu import ops
     from snack.core import COO
     monkeypatch.setattr(ops, "WIDE_OWN_THREADS", max(threads, 512))
-    monkeypatch.setattr(ops, "WIDE_LANE_THREADS", max(threads, 512))
     coo = COO.random((4096, 4096), density=0.1, generator=gen, device="cuda")
     with ops.wide_mode(mode):
         _run_all(coo, B, torch.float32, gen, wide=True, chunks=chunks, threads=threads)

@@ -228,11 +228,11 @@ def test_half_precision(dtype, shape, B, density):
     _check(coo, B, dtype, seed=11)
 
 
-@pytest.fixture(params=["warp", "rows4", "own", "lane"])
+@pytest.fixture(params=["warp", "rows4", "own"])
 def wide_mode(request):
     """The wide SpMMs and SDDMM with a warp per row, with a row per group of 8 lanes (rows4,
     chosen for short segments) whatever the segments' lengths, or (the SpMMs) with lane-owned
-    non-zeros (own) or a row per lane (lane; the SDDMM a warp per row in both)."""
+    non-zeros (own; the SDDMM a warp per row)."""
     from snack.gpu import ops
     with ops.wide_mode(request.param, sddmm=True):
         yield request.param
@@ -307,7 +307,6 @@ def test_wide_flush_with_a_block_size_not_a_power_of_two(monkeypatch, wide_mode)
     from snack.gpu import ops
     monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
     monkeypatch.setattr(ops, "WIDE_OWN_THREADS", 1024)  # the lane-owned SpMMs take all the threads too
-    monkeypatch.setattr(ops, "WIDE_LANE_THREADS", 1024)
     coo = COO.random((40, 48), density=0.3, seed=3)
     _check_spmm(coo, 20, seed=3, wide=True, chunks=2, threads=96)
 
@@ -444,17 +443,15 @@ def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch,
     _check_wide(wide_mode, coo, B, seed=8, wide=True, chunks=chunks, threads=64)
 
 
-@pytest.mark.parametrize("mode", ["rows4", "own", "lane"])
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("dtype,B,chunks", [(torch.float32, 35, None), (torch.float16, 40, 2)])
-def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, chunks, mode):
+def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, chunks, own):
     # a row per group of 8 lanes (rows4, or lane-owned with own), one warp over 17 rows: the
     # four groups of a warp walk segments of 0, 1, 7, 8, 9, 32, 33 and 90 non-zeros side by side
     # (rounds of 8 entries, or 8 x WIDE_OWN_PER_LANE, the last one trimmed to the longest
-    # segment), and the last round of rows has one row and three groups past the block's rows;
-    # with a row per lane (lane) 17 of the warp's lanes walk them, WIDE_OWN_PER_LANE at a time
+    # segment), and the last round of rows has one row and three groups past the block's rows
     from snack.gpu import ops
-    monkeypatch.setattr(ops, "WIDE_OWN", mode == "own")
-    monkeypatch.setattr(ops, "WIDE_LANE", mode == "lane")
+    monkeypatch.setattr(ops, "WIDE_OWN", own)
     monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9)
     monkeypatch.setattr(ops, "SDDMM_ROWS4", True)
     monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
