@@ -37,6 +37,9 @@ gradients, Adam state, input, output and temporaries; cuBLAS's one-off workspace
 thread including autograd's worker, are allocated before any method runs) and energy per step (NVML's total-energy
 counter across replays of the captured step for >= --energy_seconds). Every replayed graph is
 checked first: its output is poisoned with NaN, the graph replayed, the output compared.
+The graph time replays the step back to back, so what a method reads and fits in the L2 (50 MB
+on the H200: SNACK's COO at 90% does, dense's weight does not) can stay there from one step to
+the next; --cold_l2 adds graph_cold_us, each step after a 256 MB read (see graph_cold_us).
 Writes a tidy CSV (one row per method x phase x B, with the GPU, versions, git commit, the
 backend SNACK ran on, every figure and ratios vs dense and vs Dense+Mask; > 1 means SNACK
 uses less) and a JSON of the configuration beside it; prints a short table. Figures:
@@ -99,6 +102,10 @@ def parse_args(argv=None):
     p.add_argument("--autocast", default="off", choices=["off", "bfloat16", "float16"],
                    help="run every method's forward under torch.autocast with this dtype (weights and "
                         "Adam stay float32)")
+    p.add_argument("--cold_l2", action="store_true",
+                   help="also time every captured step with a cold L2 (GPU only): a graph of copies of "
+                        "the step, each after a 256 MB read, minus a graph of the reads alone "
+                        "(experiments/bench_cold.py's replay timing); column graph_cold_us")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="small layer, few repeats: a smoke test (explicit sizes still win)")
@@ -108,6 +115,8 @@ def parse_args(argv=None):
                         "default run's CSV)")
     args = p.parse_args(argv)
     fill_unset(args, QUICK if args.quick else DEFAULTS)
+    if args.cold_l2 and args.device != "cuda":
+        p.error("--cold_l2 times CUDA graphs: it needs --device cuda")
     if not 0.0 <= args.sparsity < 1.0:
         p.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
     for key in ("in_features", "out_features"):
@@ -295,6 +304,35 @@ def graph_us(fn, g, args) -> float:
     return _events_us(g.replay, args)
 
 
+COLD_COPIES, COLD_REPLAYS = 10, 10
+_flush_buf = None
+
+
+def _flush_buffer() -> torch.Tensor:
+    """The 256 MB buffer whose read evicts the L2 (made once, on the current GPU, and kept)."""
+    global _flush_buf
+    if _flush_buf is None:
+        from experiments.bench_cold import FLUSH_BYTES
+        _flush_buf = torch.ones(FLUSH_BYTES // 4, device="cuda")
+    return _flush_buf
+
+
+def graph_cold_us(fn) -> float:
+    """GPU time of one step with a cold L2, microseconds: a graph of COLD_COPIES copies of the
+    step, each after a read of a 256 MB buffer, minus a graph of the reads alone, per copy
+    (median of COLD_REPLAYS replays; experiments/bench_cold.replay_us). The buffer is made once
+    and kept (allocated before a method's baseline, so no step's peak memory counts it)."""
+    from experiments.bench_cold import replay_us
+    from snack.layers.functional import settle_autograd
+    buf = _flush_buffer()
+
+    def flush():
+        buf.sum()
+    settle_autograd()  # (as graph_us: no autograd node of an earlier pass reused on a new stream)
+    reads = replay_us(lambda: None, COLD_COPIES, COLD_REPLAYS, flush)
+    return replay_us(fn, COLD_COPIES, COLD_REPLAYS, flush) - reads
+
+
 def _nvml_handle(device):
     try:
         import pynvml
@@ -346,7 +384,7 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
     """Every figure of one (method, phase, B)."""
     device = dense_w.device
     amp = None if args.autocast == "off" else getattr(torch, args.autocast)
-    row = dict(method=method, phase=phase, B=B, eager_us=NAN, graph_us=NAN, peak_mb=NAN,
+    row = dict(method=method, phase=phase, B=B, eager_us=NAN, graph_us=NAN, graph_cold_us=NAN, peak_mb=NAN,
                energy_mj=NAN, power_w=NAN, graph_check="n/a",
                adam_capturable="eager and peak: False, graph and energy: True" if phase == "train" else "")
     if method == "cusparse" and phase == "train":
@@ -384,6 +422,8 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
             row["graph_check"] = "ok" if ok else "MISMATCH"
             row["graph_us"] = graph_us(fn, gr, args)
             row["energy_mj"], row["power_w"] = energy_per_step(gr, nvml, args.energy_seconds)
+            if args.cold_l2:
+                row["graph_cold_us"] = graph_cold_us(fn)
             del gr, out
         except Exception as e:  # keep the other figures; say why in the CSV
             row["graph_check"] = f"error: {type(e).__name__}: {str(e)[:120]}"
@@ -408,7 +448,8 @@ def environment(device: torch.device) -> Dict[str, str]:
     return env
 
 
-RATIO_OF = {"eager_us": "eager", "graph_us": "graph", "peak_mb": "mem", "energy_mj": "energy"}
+RATIO_OF = {"eager_us": "eager", "graph_us": "graph", "graph_cold_us": "graph_cold", "peak_mb": "mem",
+            "energy_mj": "energy"}
 
 
 def add_ratios(rows: List[dict]) -> None:
@@ -433,15 +474,19 @@ def print_table(rows: List[dict], env: dict, args) -> None:
     print(f"layer {args.out_features} x {args.in_features}, sparsity {args.sparsity}, {prec}, optimizer "
           f"{args.optimizer}; times in us "
           "(eager / graph), peak MiB; x = speed-up vs dense / vs Dense+Mask (graph, else eager)")
+    cold = args.cold_l2
     print(f"{'phase':6s} {'B':>4s} {'method':10s} {'eager':>9s} {'graph':>9s} {'peak MiB':>9s} "
-          f"{'mJ/step':>8s} {'x dense':>8s} {'x D+M':>7s} check")
+          f"{'mJ/step':>8s} {'x dense':>8s} {'x D+M':>7s}" + (f" {'cold L2':>9s} {'x dense':>8s} {'x D+M':>7s}"
+                                                            if cold else "") + " check")
     for r in rows:
         if r["method"] == "cusparse" and r["phase"] == "train":
             continue
         key = "graph" if not math.isnan(r.get("graph_vs_dense", NAN)) else "eager"
         print(f"{r['phase']:6s} {r['B']:4d} {r['method']:10s} {r['eager_us']:9.1f} {r['graph_us']:9.1f} "
               f"{r['peak_mb']:9.1f} {r['energy_mj']:8.3f} {r[key + '_vs_dense']:8.2f} "
-              f"{r[key + '_vs_densemask']:7.2f} {r['graph_check']}")
+              f"{r[key + '_vs_densemask']:7.2f}" + (f" {r['graph_cold_us']:9.1f} {r['graph_cold_vs_dense']:8.2f} "
+                                                     f"{r['graph_cold_vs_densemask']:7.2f}" if cold else "")
+              + f" {r['graph_check']}")
 
 
 def main(argv=None) -> List[dict]:
@@ -463,6 +508,8 @@ def main(argv=None) -> List[dict]:
         # cuBLAS's workspaces (per thread: this one and autograd's worker) made before any
         # method, so that they are not counted in whichever method's step runs a GEMM first
         make_cublas_workspaces(device)
+        if args.cold_l2:  # the flush buffer, before any method's baseline
+            _flush_buffer()
     env = environment(device)
     nvml = _nvml_handle(device) if device.type == "cuda" else None
     rows = []

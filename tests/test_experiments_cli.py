@@ -4,6 +4,7 @@ error), the GPU-only scripts say they need a GPU instead of failing on an import
 bench_cpu.py checks the SDDMM it times. Everything runs in process except the one
 check that lives in a script's `__main__`."""
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -66,17 +67,27 @@ def test_bench_layer_gpu_graphs_reuse_no_autograd_node_across_streams(tmp_path, 
     """On the GPU every captured step is checked (output poisoned, replayed, compared) and the
     timing's own captures reuse no AccumulateGrad node of an earlier pass made on another stream
     (torch warns about that: kept alive, the captured step's graph did so); a step's peak memory
-    does not depend on which method ran first."""
+    does not depend on which method ran first. With snack-adam the steps are also timed with a
+    cold L2 (--cold_l2: its own captures, the same checks)."""
     import warnings
     from experiments import bench_layer as b
+    cold = ["--cold_l2"] if optimizer == "snack-adam" else []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rows = b.main(["--quick", "--batches", "8,8", "--methods", "snack,dense,densemask", "--optimizer", optimizer,
-                       "--energy_seconds", "0.05", "--out", str(tmp_path / "layer.csv")])
+                       "--energy_seconds", "0.05", "--out", str(tmp_path / "layer.csv"), *cold])
     stream = [str(w.message)[:120] for w in caught if "AccumulateGrad node's stream" in str(w.message)]
     assert stream == []
     assert len(rows) == 12 and all(r["graph_check"] == "ok" for r in rows)
     assert all(r["graph_us"] > 0 and r["eager_us"] > 0 for r in rows)
+    if cold:  # positive, and the ratios computed from the cold times
+        assert all(r["graph_cold_us"] > 0 for r in rows)
+        for r in rows:
+            # (add_ratios pairs each row with the last dense row of its phase and B)
+            d = [q for q in rows if q["method"] == "dense" and q["phase"] == r["phase"] and q["B"] == r["B"]][-1]
+            assert r["graph_cold_vs_dense"] == pytest.approx(d["graph_cold_us"] / r["graph_cold_us"])
+    else:
+        assert all(math.isnan(r["graph_cold_us"]) for r in rows)
     # the same step measured twice has the same peak memory: no one-off allocation (cuBLAS's
     # workspace of autograd's thread) is charged to the first method that runs a GEMM there
     for m in ("snack", "dense", "densemask"):
@@ -293,7 +304,8 @@ def test_gpu_scripts_check_their_options_first(capsys):
     from experiments import bench_layer
     for args, what in ((["--sparsity", "2"], "--sparsity must be in [0, 1)"),
                        (["--in_features", "0"], "--in_features must be >= 1"),
-                       (["--rep_ms", "0"], "--rep_ms must be > 0")):
+                       (["--rep_ms", "0"], "--rep_ms must be > 0"),
+                       (["--cold_l2"], "--cold_l2 times CUDA graphs: it needs --device cuda")):
         assert what in _usage_error(capsys, bench_layer.parse_args, ["--device", "cpu", *args])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--tiled", "--own"])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--mixed", "--staging"])
