@@ -10,6 +10,7 @@
 #   make test | demo | demo-ddp | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
 #   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2 | bench-gpt2-rest   (the other CSVs REPRODUCTION.md cites)
 #   make bench-bf16                               # half precision: kernels in bfloat16, the layer under autocast
+#   make bench-cold                               # the kernels' forward and the layer with a cold L2 beside a warm one
 #   make -j2 mnist-recipe [DIST=erk]              # LeNet-300-100 with sparse_learning's recipe, dense / SET / RigL
 
 VENV    ?= .venv
@@ -34,6 +35,9 @@ KERNELS_BF16_CSV     := results/bench_kernels_quick_bfloat16.csv
 KERNELS_BF16_FIG     := papers/fig_kernels_bf16.png
 LAYER_BF16_CSV       := results/bench_layer_snack_adam_autocast_bfloat16.csv
 LAYER_BF16_FIG       := papers/fig_layer_autocast_bf16.png
+COLD_CSV             := results/bench_cold.csv
+COLD_FIG             := papers/fig_kernels_cold.png
+LAYER_COLD_CSV       := results/bench_layer_snack_adam_cold_l2.csv
 # Their figures, redrawn by `make figures` too: plot script : CSV : figure : the target measuring it.
 MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-layer-snack-adam \
                 gpt2:$(GPT2_B1_CSV):$(GPT2_B1_FIG):figure-gpt2-b1 \
@@ -41,7 +45,7 @@ MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-lay
                 kernels:$(KERNELS_BF16_CSV):$(KERNELS_BF16_FIG):bench-bf16 \
                 layer:$(LAYER_BF16_CSV):$(LAYER_BF16_FIG):bench-bf16
 
-.PHONY: help install test demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest bench-bf16 figures figure-mnist \
+.PHONY: help install test demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest bench-bf16 bench-cold figures figure-mnist \
         figure-layer-snack-adam figure-gpt2-b1 clean-cache
 
 help:
@@ -89,6 +93,9 @@ figures:
 	    $(PY) experiments/plot_$$1.py --csv "$$2" --out "$$3"; \
 	  else echo "no $$2 yet (make $$4 measures it): $$3 not redrawn"; fi; \
 	done
+	@if [ -f $(COLD_CSV) ]; then echo "== experiments/plot_kernels.py --cold"; \
+	  $(PY) experiments/plot_kernels.py --cold --csv $(COLD_CSV) --out $(COLD_FIG); \
+	else echo "no $(COLD_CSV) yet (make bench-cold measures it): $(COLD_FIG) not redrawn"; fi
 
 # Figure <name>: experiments/bench_<name>.py writes results/bench_<name>*.csv (GPU), then
 # experiments/plot_<name>.py draws papers/fig_<name>.png from the CSV.
@@ -116,6 +123,15 @@ bench-bf16:
 	$(PY) experiments/plot_kernels.py --csv $(KERNELS_BF16_CSV) --out $(KERNELS_BF16_FIG)
 	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --energy_seconds 1 --autocast bfloat16 --out $(LAYER_BF16_CSV)
 	$(PY) experiments/plot_layer.py --csv $(LAYER_BF16_CSV) --out $(LAYER_BF16_FIG)
+
+# With a cold L2 (GPU): the forward at the 12 target points for every method, each copy after a
+# 256 MB read, beside the same without (figure and README table), and the layer with
+# snack.optim.Adam at B = 1, 8, 32 timed both ways (--cold_l2).
+bench-cold:
+	$(PY) experiments/bench_cold.py --out $(COLD_CSV)
+	$(PY) experiments/plot_kernels.py --cold --csv $(COLD_CSV) --out $(COLD_FIG)
+	$(PY) experiments/plot_kernels.py --cold --markdown --csv $(COLD_CSV)
+	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --cold_l2 --out $(LAYER_COLD_CSV)
 
 # Claim 7 (GPU): GPT-2 with 1 x 128 training tokens per step.
 figure-gpt2-b1:

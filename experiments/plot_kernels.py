@@ -7,11 +7,13 @@ it has not read from the CSV.
 With --markdown it prints the README's tables from the CSV instead: the grid (forward against
 dense, Dense+Mask and cuSPARSE, roofline, dX, SDDMM, backward; one row per sparsity and batch)
 and the target points (forward, speed-ups, roofline; one row per sparsity). With --markdown
---cold it prints the cold-L2 table from results/bench_cold.csv (experiments/bench_cold.py).
+--cold it prints the cold-L2 table from results/bench_cold.csv (experiments/bench_cold.py), and
+--cold alone draws papers/fig_kernels_cold.png from it (warm and cold L2 side by side).
 
 Usage: python experiments/plot_kernels.py [--csv results/bench_kernels.csv] [--out papers/fig_kernels.png]
        python experiments/plot_kernels.py --markdown [--csv results/bench_kernels_quick.csv]
        python experiments/plot_kernels.py --markdown --cold [--csv results/bench_cold.csv]
+       python experiments/plot_kernels.py --cold [--csv results/bench_cold.csv] [--out papers/fig_kernels_cold.png]
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ def markdown_tables(rows, shape: str, source: str) -> str:
     return "\n".join(out)
 
 
-COLD_COLUMNS = ("shape", "method", "sparsity", "batch", "warm_us", "cold_us", "roofline_frac_cold")
+COLD_COLUMNS = ("shape", "method", "sparsity", "batch", "warm_us", "cold_us", "roofline_frac_cold")  # bench_cold.py
 
 
 def cold_table(rows, shape: str, source: str) -> str:
@@ -109,22 +111,83 @@ def cold_table(rows, shape: str, source: str) -> str:
     return "\n".join(out)
 
 
+def draw_cold(rows, shape: str, source: str, out: str) -> str:
+    """papers/fig_kernels_cold.png from bench_cold.py rows: per sparsity, each method's forward
+    against B with a warm L2 (solid) and a cold one (dashed); the last two panels, SNACK's
+    speed-up over dense and over cuSPARSE, warm and cold."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    data = defaultdict(dict)  # (sparsity, method, state) -> {B: us}
+    for r in rows:
+        if r["shape"] == shape:
+            for state in ("warm", "cold"):
+                data[(float(r["sparsity"]), r["method"], state)][int(r["batch"])] = float(r[f"{state}_us"])
+    if not data:
+        raise SystemExit(f"no rows for shape {shape} in {source}")
+    sps = sorted({k[0] for k in data})
+    styles = {"snack": ("SNACK", "C3"), "dense": ("dense cuBLAS", "C0"), "dense_mask": ("Dense+Mask", "C1"),
+              "cusparse_csr": ("cuSPARSE CSR", "C2")}
+    fig, axes = plt.subplots(1, len(sps) + 2, figsize=(4.0 * (len(sps) + 2), 3.8))
+    for ax, sp in zip(axes, sps):
+        for m, (label, color) in styles.items():
+            for state, ls in (("warm", "-"), ("cold", "--")):
+                d = data.get((sp, m, state))
+                if d:
+                    bs = sorted(d)
+                    ax.plot(bs, [d[b] for b in bs], marker="o", ms=3, color=color, ls=ls, label=f"{label}, {state} L2")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{shape}, sparsity {sp:g}: forward")
+        ax.set_xlabel("batch B")
+        ax.set_ylabel("GPU time, us (graph replay, median)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=6)
+    for ax, base in zip(axes[len(sps):], ("dense", "cusparse_csr")):
+        for i, sp in enumerate(sps):
+            for state, ls in (("warm", "-"), ("cold", "--")):
+                s_, b_ = data.get((sp, "snack", state), {}), data.get((sp, base, state), {})
+                bs = sorted(set(s_) & set(b_))
+                if bs:
+                    ax.plot(bs, [b_[b] / s_[b] for b in bs], marker="o", ms=3, color=f"C{i + 4}", ls=ls,
+                            label=f"sparsity {sp:g}, {state} L2")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch B")
+        ax.set_ylabel("speed-up (> 1: SNACK faster)")
+        ax.set_title(f"SNACK's speed-up over {styles[base][0]}")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    print(f"wrote {out}")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv", default=DEFAULT_CSV)
     ap.add_argument("--out", default=str(ROOT / "papers" / "fig_kernels.png"))
     ap.add_argument("--shape", default="4096x4096")
     ap.add_argument("--markdown", action="store_true", help="print the README tables instead of drawing")
-    ap.add_argument("--cold", action="store_true", help="with --markdown: the cold-L2 table of bench_cold.py's CSV")
+    ap.add_argument("--cold", action="store_true",
+                    help="bench_cold.py's CSV instead: its figure (papers/fig_kernels_cold.png), or with "
+                         "--markdown the README's cold-L2 table")
     args = ap.parse_args(argv)
     if args.cold:
-        if not args.markdown:
-            ap.error("--cold goes with --markdown")
         if args.csv == DEFAULT_CSV:
             args.csv = str(ROOT / "results" / "bench_cold.csv")
-        text = cold_table(read_rows(args.csv, COLD_COLUMNS, "bench_cold.py"), args.shape, args.csv)
-        print(text)
-        return text
+        rows = read_rows(args.csv, COLD_COLUMNS, "bench_cold.py")
+        if args.markdown:
+            text = cold_table(rows, args.shape, args.csv)
+            print(text)
+            return text
+        if args.out == str(ROOT / "papers" / "fig_kernels.png"):
+            args.out = str(ROOT / "papers" / "fig_kernels_cold.png")
+        return draw_cold(rows, args.shape, args.csv, args.out)
     if not csv_to_plot(args.csv, DEFAULT_CSV, "bench_kernels.py", " on a GPU"):
         return None
     if args.markdown:

@@ -450,9 +450,9 @@ def test_plot_kernels_markdown_tables_from_the_csv(tmp_path, capsys):
     assert _one_line_exit(plot_kernels.main, ["--csv", str(path), "--shape", "8x8", "--markdown"]).startswith("no rows")
 
 
-def test_plot_kernels_cold_table_from_bench_cold_csv(tmp_path, capsys):
+def test_plot_kernels_cold_table_and_figure_from_bench_cold_csv(tmp_path, capsys):
     # the cold-L2 table: SNACK warm -> cold, speed-ups on the cold times, cold roofline; a method
-    # missing from a point reads "-", a point missing from the grid an empty cell
+    # missing from a point reads "-", a point missing from the grid an empty cell; and its figure
     from experiments import plot_kernels
     head = ["shape", "sparsity", "batch", "method", "warm_us", "cold_us", "roofline_frac_cold"]
     cold = {"snack": (4.0, 5.0, "0.5"), "dense": (20.0, 20.0, ""), "dense_mask": (60.0, 70.0, ""),
@@ -468,5 +468,8 @@ def test_plot_kernels_cold_table_from_bench_cold_csv(tmp_path, capsys):
     assert lines[0] == "| sparsity | B = 1 | B = 8 |"
     assert "| 0.90 | 4.00 -> 5.00: 4.00 / 14.00 / 3.20x, 50% |  |" in lines
     assert "| 0.99 |  | 4.00 -> 5.00: 4.00 / 14.00 / -x, 50% |" in lines
-    assert "--cold goes with --markdown" in _usage_error(capsys, plot_kernels.main, ["--csv", str(path), "--cold"])
+    # without --markdown: the figure, warm and cold side by side
+    png = tmp_path / "cold.png"
+    assert plot_kernels.main(["--csv", str(path), "--shape", "64x64", "--cold", "--out", str(png)]) == str(png)
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert _one_line_exit(plot_kernels.main, ["--csv", str(path), "--markdown", "--cold"]).startswith("no rows")
