@@ -572,6 +572,10 @@ def test_cuda_graph_backward_on_two_branches_matches_eager(B, bias):
 
     got, _graph = _replayed_grads(layer, x, dy)
     assert any(key[0] == torch.device("cuda", torch.cuda.current_device()) for key in Fn._SIDE)
+    # no side stream is one of the default-priority pool's streams (torch.cuda.Stream() hands
+    # them out in turn: one of them may be another thread's capture stream)
+    pool = {torch.cuda.Stream().cuda_stream for _ in range(64)}
+    assert not pool & {side.cuda_stream for side in Fn._SIDE.values()}
     for name, a, b in zip(("dx", "dv", "db"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
