@@ -15,7 +15,8 @@ both states, two ways, so that the ratios can be read without that question:
     (`torch.cuda.Event(enable_timing=True, external=True)`: record nodes in the graph), so
     nothing but the op falls inside the interval, median over copies and replays; the record
     nodes cost time of their own (event_gap_us: an interval with nothing in it), so these read
-    higher than the replay columns by about that much, for every method alike.
+    higher than the replay columns; and an op's dirty output lines, written back during the
+    next copy's read, count in the replay's cold time but not in the op's own interval.
 Each point first checks SNACK's output against the dense product; SNACK's HBM roofline fraction
 (bench_kernels' bytes over the measured copy bandwidth) is given warm and cold.
 
