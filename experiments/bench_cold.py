@@ -170,6 +170,7 @@ def main(argv=None):
                     event_warm_us=timed_graph_us(fn, args.copies, args.replays),
                     event_cold_us=timed_graph_us(fn, args.copies, args.replays, flush))
             floor = forward_floor_bytes(coo.nnz, B, args.n_out, args.n_in)
+            roof = {state: round(floor / bw / (got["snack"][f"{state}_us"] * 1e-6), 4) for state in ("warm", "cold")}
             for name in METHODS:
                 t, ts = got[name], got["snack"]
                 row = dict(meta, shape=args.shape, sparsity=sp, batch=B, nnz=coo.nnz, op="forward",
@@ -177,15 +178,12 @@ def main(argv=None):
                            flush_us=round(flush_us, 3), event_gap_us=round(gap_us, 3),
                            snack_speedup_warm=round(t["warm_us"] / ts["warm_us"], 3),
                            snack_speedup_cold=round(t["cold_us"] / ts["cold_us"], 3),
-                           roofline_frac_warm="", roofline_frac_cold="", rel_err=err)
-                if name == "snack":
-                    for state in ("warm", "cold"):
-                        row[f"roofline_frac_{state}"] = round(floor / bw / (t[f"{state}_us"] * 1e-6), 4)
+                           roofline_frac_warm=roof["warm"] if name == "snack" else "",
+                           roofline_frac_cold=roof["cold"] if name == "snack" else "", rel_err=err)
                 rows.append(row)
             print(f"sparsity {sp}, B = {B}: " + ", ".join(
                 f"{n} {got[n]['warm_us']:.2f} / {got[n]['cold_us']:.2f}" for n in METHODS)
-                + f" us (warm / cold L2); SNACK's roofline {rows[-4]['roofline_frac_warm']:.0%}"
-                f" / {rows[-4]['roofline_frac_cold']:.0%}", flush=True)
+                + f" us (warm / cold L2); SNACK's roofline {roof['warm']:.0%} / {roof['cold']:.0%}", flush=True)
     write_csv(args.out, rows)
     print(f"wrote {args.out}")
     return rows

@@ -33,6 +33,21 @@ COLUMNS = ("shape", "op", "method", "sparsity", "batch", "graph_us", "roofline_f
 _ESIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+# each method's label and colour in the figures
+STYLES = {"snack": ("SNACK", "C3"), "dense": ("dense cuBLAS", "C0"), "dense_mask": ("Dense+Mask", "C1"),
+          "cusparse_csr": ("cuSPARSE CSR", "C2")}
+
+
+def _time_axes(ax, title: str) -> None:
+    """A panel of GPU time against the batch size: log-log, labelled, gridded."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel("batch B")
+    ax.set_ylabel("GPU time, us (graph replay, median)")
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def _num(x: float) -> str:
     """A time as the README writes it: 3 significant digits, at most one decimal."""
     return f"{x:.1f}" if x < 100 else f"{x:.0f}"
@@ -126,22 +141,15 @@ def draw_cold(rows, shape: str, source: str, out: str) -> str:
     if not data:
         raise SystemExit(f"no rows for shape {shape} in {source}")
     sps = sorted({k[0] for k in data})
-    styles = {"snack": ("SNACK", "C3"), "dense": ("dense cuBLAS", "C0"), "dense_mask": ("Dense+Mask", "C1"),
-              "cusparse_csr": ("cuSPARSE CSR", "C2")}
     fig, axes = plt.subplots(1, len(sps) + 2, figsize=(4.0 * (len(sps) + 2), 3.8))
     for ax, sp in zip(axes, sps):
-        for m, (label, color) in styles.items():
+        for m, (label, color) in STYLES.items():
             for state, ls in (("warm", "-"), ("cold", "--")):
                 d = data.get((sp, m, state))
                 if d:
                     bs = sorted(d)
                     ax.plot(bs, [d[b] for b in bs], marker="o", ms=3, color=color, ls=ls, label=f"{label}, {state} L2")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{shape}, sparsity {sp:g}: forward")
-        ax.set_xlabel("batch B")
-        ax.set_ylabel("GPU time, us (graph replay, median)")
-        ax.grid(True, which="both", alpha=0.3)
+        _time_axes(ax, f"{shape}, sparsity {sp:g}: forward")
     axes[0].legend(fontsize=6)
     for ax, base in zip(axes[len(sps):], ("dense", "cusparse_csr")):
         for i, sp in enumerate(sps):
@@ -155,7 +163,7 @@ def draw_cold(rows, shape: str, source: str, out: str) -> str:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch B")
         ax.set_ylabel("speed-up (> 1: SNACK faster)")
-        ax.set_title(f"SNACK's speed-up over {styles[base][0]}")
+        ax.set_title(f"SNACK's speed-up over {STYLES[base][0]}")
         ax.set_ylim(bottom=0)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)
@@ -211,25 +219,18 @@ def main(argv=None):
         if r["method"] == "snack" and r["op"] == "forward" and r["roofline_frac"]:
             roof[float(r["sparsity"])][int(r["batch"])] = float(r["roofline_frac"])
     fig, axes = plt.subplots(1, len(sps) + 1, figsize=(4.2 * (len(sps) + 1), 3.8))
-    styles = {"snack": ("SNACK", "C3", "-"), "dense": ("dense cuBLAS", "C0", "-"),
-              "dense_mask": ("Dense+Mask", "C1", "-"), "cusparse_csr": ("cuSPARSE CSR", "C2", "-")}
     for ax, sp in zip(axes, sps):
-        for m, (label, color, ls) in styles.items():
+        for m, (label, color) in STYLES.items():
             d = data.get((sp, "forward", m))
             if d:
                 bs = sorted(d)
-                ax.plot(bs, [d[b] for b in bs], marker="o", color=color, ls=ls, label=label + " fwd")
+                ax.plot(bs, [d[b] for b in bs], marker="o", color=color, ls="-", label=label + " fwd")
         for op, ls in (("dX", "--"), ("SDDMM", ":")):
             d = data.get((sp, op, "snack"))
             if d:
                 bs = sorted(d)
                 ax.plot(bs, [d[b] for b in bs], marker=".", color="C3", ls=ls, label=f"SNACK {op}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{args.shape}, sparsity {sp:g}")
-        ax.set_xlabel("batch B")
-        ax.set_ylabel("GPU time, us (graph replay, median)")
-        ax.grid(True, which="both", alpha=0.3)
+        _time_axes(ax, f"{args.shape}, sparsity {sp:g}")
     axes[0].legend(fontsize=7)
     ax = axes[-1]
     for sp in sps:
