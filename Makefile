@@ -38,12 +38,14 @@ LAYER_BF16_FIG       := papers/fig_layer_autocast_bf16.png
 COLD_CSV             := results/bench_cold.csv
 COLD_FIG             := papers/fig_kernels_cold.png
 LAYER_COLD_CSV       := results/bench_layer_snack_adam_cold_l2.csv
+LAYER_COLD_FIG       := papers/fig_layer_snack_adam_cold_l2.png
 # Their figures, redrawn by `make figures` too: plot script : CSV : figure : the target measuring it.
 MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-layer-snack-adam \
                 gpt2:$(GPT2_B1_CSV):$(GPT2_B1_FIG):figure-gpt2-b1 \
                 gpt2:$(GPT2_REST_CSV):$(GPT2_REST_FIG):bench-gpt2-rest \
                 kernels:$(KERNELS_BF16_CSV):$(KERNELS_BF16_FIG):bench-bf16 \
-                layer:$(LAYER_BF16_CSV):$(LAYER_BF16_FIG):bench-bf16
+                layer:$(LAYER_BF16_CSV):$(LAYER_BF16_FIG):bench-bf16 \
+                layer:$(LAYER_COLD_CSV):$(LAYER_COLD_FIG):bench-cold
 
 .PHONY: help install test demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest bench-bf16 bench-cold figures figure-mnist \
         figure-layer-snack-adam figure-gpt2-b1 clean-cache
@@ -132,6 +134,7 @@ bench-cold:
 	$(PY) experiments/plot_kernels.py --cold --csv $(COLD_CSV) --out $(COLD_FIG)
 	$(PY) experiments/plot_kernels.py --cold --markdown --csv $(COLD_CSV)
 	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --cold_l2 --out $(LAYER_COLD_CSV)
+	$(PY) experiments/plot_layer.py --csv $(LAYER_COLD_CSV) --out $(LAYER_COLD_FIG)
 
 # Claim 7 (GPU): GPT-2 with 1 x 128 training tokens per step.
 figure-gpt2-b1:

@@ -4,8 +4,10 @@
     python experiments/plot_layer.py --csv=results/bench_layer_cpu.csv --out=/tmp/fig.png
 
 Six panels, against batch size B: training-step time and inference time per method (CUDA-graph
-GPU time where the CSV has it, else eager time), SNACK's speed-up over dense and over
-Dense+Mask (graph and eager), peak training memory, and energy per training step.
+GPU time where the CSV has it, else eager time; a CSV from `bench_layer.py --cold_l2` adds each
+method's graph time with a cold L2 as a dashed line), SNACK's speed-up over dense and over
+Dense+Mask (graph, graph with a cold L2 where measured, and eager), peak training memory, and
+energy per training step.
 Trade-off: one figure per sparsity (the CSV's first, or --sparsity); panels whose figures are
 all blank (e.g. memory and energy from a CPU run) say so instead of drawing.
 """
@@ -25,6 +27,10 @@ from experiments.cli import csv_to_plot, read_rows  # noqa: E402
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask", "cusparse": "cuSPARSE CSR"}
 STYLE = {"snack": ("C3", "o"), "dense": ("C0", "s"), "densemask": ("C2", "^"), "cusparse": ("C1", "D")}
 DEFAULT_CSV = str(ROOT / "results" / "bench_layer.csv")
+# speed-up bars: a colour per (phase, baseline) in the order train / dense, train / Dense+Mask,
+# inference / dense, inference / Dense+Mask; a fill per timing: (hatch, alpha, legend words)
+SPEEDUP_COLOURS = ("tab:blue", "tab:green", "tab:purple", "tab:olive")
+TIMING_FILL = {"graph": ("", 1.0, "graph"), "graph_cold": ("////", 1.0, "graph, cold L2"), "eager": ("", 0.4, "eager")}
 
 
 def parse_args(argv=None):
@@ -52,8 +58,9 @@ def load(path, sparsity=None):
         if abs(_num(r["sparsity"]) - keep) > 1e-9:
             continue
         r = dict(r)
-        for k in ("B", "eager_us", "graph_us", "peak_mb", "energy_mj", "eager_vs_dense", "graph_vs_dense",
-                  "eager_vs_densemask", "graph_vs_densemask"):
+        for k in ("B", "eager_us", "graph_us", "graph_cold_us", "peak_mb", "energy_mj", "eager_vs_dense",
+                  "graph_vs_dense", "graph_cold_vs_dense", "eager_vs_densemask", "graph_vs_densemask",
+                  "graph_cold_vs_densemask"):
             r[k] = _num(r.get(k))
         out.append(r)
     if not out:
@@ -79,7 +86,8 @@ def _blank(ax, what):
     ax.set_yticks([])
 
 
-def plot(rows, sparsity, out):
+def draw(rows, sparsity):
+    """The figure of `rows` (from `load`), not saved; its axes are `fig.axes` row by row."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -97,6 +105,12 @@ def plot(rows, sparsity, out):
             if pts:
                 c, mk = STYLE[m]
                 ax.plot(*zip(*pts), marker=mk, color=c, label=LABEL[m])
+            if time_key == "graph_us":
+                b, v = _series(rows, m, phase, "graph_cold_us")
+                pts = [(x, y) for x, y in zip(b, v) if not math.isnan(y)]
+                if pts:
+                    c, mk = STYLE[m]
+                    ax.plot(*zip(*pts), ls="--", marker=mk, mfc="none", color=c, label=f"{LABEL[m]}, cold L2")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch size B")
@@ -107,24 +121,26 @@ def plot(rows, sparsity, out):
 
     ax = axes[0, 2]
     bs = sorted({r["B"] for r in rows})
-    bars = []
-    for phase in ("train", "infer"):
-        for base in ("dense", "densemask"):
-            for t in ("graph", "eager"):
-                key = f"{t}_vs_{base}"
-                _, v = _series(rows, "snack", phase, key)
-                if v and not all(math.isnan(x) for x in v):
-                    bars.append((f"{phase} vs {LABEL[base]} ({t})", v))
+    bars = []  # one colour per (phase, baseline), one fill per timing
+    for colour, (phase, base) in zip(SPEEDUP_COLOURS, [(p, b) for p in ("train", "infer") for b in ("dense", "densemask")]):
+        for t, (hatch, alpha, how) in TIMING_FILL.items():
+            _, v = _series(rows, "snack", phase, f"{t}_vs_{base}")
+            if v and not all(math.isnan(x) for x in v):
+                bars.append((f"{phase} vs {LABEL[base]} ({how})", v, colour, hatch, alpha))
     if bars:
         width = 0.8 / len(bars)
-        for i, (lab, v) in enumerate(bars):
-            ax.bar([j + i * width for j in range(len(bs))], v, width, label=lab)
+        for i, (lab, v, colour, hatch, alpha) in enumerate(bars):
+            ax.bar([j + i * width for j in range(len(bs))], v, width, label=lab, color=colour, alpha=alpha,
+                   hatch=hatch, edgecolor="white" if hatch else None, linewidth=0)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(bs))], [str(int(b)) for b in bs])
         ax.set_xlabel("batch size B")
         ax.set_ylabel("SNACK speed-up (x)")
         ax.set_title("SNACK speed-up (> 1: faster)")
-        ax.legend(fontsize=7)
+        top = max((x for bar in bars for x in bar[1] if not math.isnan(x)), default=1.0)
+        ncol = 2 if len(bars) > 4 else 1
+        ax.set_ylim(0, top * (1.15 + 0.075 * math.ceil(len(bars) / ncol)))  # room above the bars for the legend
+        ax.legend(fontsize=6 if len(bars) > 8 else 7, ncol=ncol, loc="upper center")
     else:
         _blank(ax, "speed-ups")
 
@@ -172,6 +188,13 @@ def plot(rows, sparsity, out):
                  f"SNACK backend {r0.get('snack_backend', '')}"
                  + (f", optimizer {r0['optimizer']} for every method" if r0.get("optimizer") else ""), fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot(rows, sparsity, out):
+    """Draws `rows` and saves the figure at `out` (PNG); returns the path."""
+    import matplotlib.pyplot as plt
+    fig = draw(rows, sparsity)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=130)

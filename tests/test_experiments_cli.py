@@ -473,3 +473,30 @@ def test_plot_kernels_cold_table_and_figure_from_bench_cold_csv(tmp_path, capsys
     assert plot_kernels.main(["--csv", str(path), "--shape", "64x64", "--cold", "--out", str(png)]) == str(png)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert _one_line_exit(plot_kernels.main, ["--csv", str(path), "--markdown", "--cold"]).startswith("no rows")
+
+
+def test_plot_layer_draws_the_cold_l2_times_beside_the_warm_ones(tmp_path):
+    # a CSV from bench_layer.py --cold_l2: each method's cold graph time is a dashed line beside
+    # its warm one, and SNACK's cold speed-ups are bars of their own, at the CSV's values
+    from experiments import plot_layer
+    head = ["method", "phase", "sparsity", "B", "eager_us", "graph_us", "graph_cold_us", "graph_vs_dense",
+            "graph_cold_vs_dense", "in_features", "out_features"]
+    times = {"snack": (10.0, 13.0), "dense": (40.0, 41.0)}
+    rows = [[m, ph, "0.9", b, 100.0, w * b, c * b, 40.0 / 10.0 if m == "snack" else 1.0,
+             41.0 / 13.0 if m == "snack" else 1.0, 64, 64]
+            for m, (w, c) in times.items() for ph in ("train", "infer") for b in (1, 8)]
+    path = tmp_path / "layer_cold.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([head] + rows)
+    loaded, sparsity = plot_layer.load(str(path))
+    fig = plot_layer.draw(loaded, sparsity)
+    train, _infer, speedup = fig.axes[:3]
+    lines = {ln.get_label(): ln for ln in train.get_lines()}
+    assert set(lines) == {"SNACK (COO)", "SNACK (COO), cold L2", "dense", "dense, cold L2"}
+    assert list(lines["SNACK (COO), cold L2"].get_ydata()) == [13.0, 104.0]
+    assert lines["dense, cold L2"].get_linestyle() == "--" and lines["dense"].get_linestyle() == "-"
+    bars = {c.get_label(): [p.get_height() for p in c.patches] for c in speedup.containers}
+    assert bars["train vs dense (graph, cold L2)"] == pytest.approx([41 / 13] * 2)
+    assert bars["infer vs dense (graph)"] == pytest.approx([4.0, 4.0])
+    png = plot_layer.main(["--csv", str(path), "--out", str(tmp_path / "fig.png")])
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"

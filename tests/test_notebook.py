@@ -16,7 +16,8 @@ def test_figures_notebook_runs(tmp_path, monkeypatch):
     nb = nbformat.read(ROOT / "papers" / "figures.ipynb", as_version=4)
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(ROOT / "papers")}}).execute()
-    for name in ("fig_kernels.png", "fig_layer.png", "fig_layer_snack_adam.png"):
+    for name in ("fig_kernels.png", "fig_layer.png", "fig_layer_snack_adam.png", "fig_kernels_cold.png",
+                 "fig_layer_snack_adam_cold_l2.png"):
         f = tmp_path / name
         assert f.exists() and f.stat().st_size > 10_000, name
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
@@ -25,3 +26,4 @@ def test_figures_notebook_runs(tmp_path, monkeypatch):
     # every issue target is printed as met / NOT met from the committed CSVs
     assert "kernel targets met:" in text and "layer targets met:" in text
     assert "95%, B = 8: >= 10x Dense+Mask" in text
+    assert "cold L2, training, B = 32: >= 4x dense:" in text  # the layer's targets on the cold times
