@@ -62,6 +62,20 @@ def as_kernel_array(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# Streams SNACK keeps for itself (the builder's below, the captured backward's side streams in
+# layers/functional) come from torch's high-priority pool. torch.cuda.Stream() hands out the 32
+# streams of a pool per priority in turn, so a stream kept from the default-priority pool, where
+# torch.cuda.graph's capture stream and a user's streams come from, is sooner or later the very
+# stream another thread captures on. The high-priority pool is disjoint from it (and hands out 32
+# distinct streams before it repeats one).
+PRIVATE_STREAM_PRIORITY = -1
+
+
+def private_stream(device) -> "torch.cuda.Stream":
+    """A new stream on `device` for SNACK's own use, never one of the default-priority pool's."""
+    return torch.cuda.Stream(device, priority=PRIVATE_STREAM_PRIORITY)
+
+
 _build_streams = {}
 _builder = None
 _on_builder = threading.local()  # .active: this thread is the builder (a nested call runs in place)
@@ -88,7 +102,7 @@ def build_persistent(device, fn, /, *args, **kwargs):
             _builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snack-build")
         side = _build_streams.get(device)
         if side is None:
-            side = _build_streams[device] = torch.cuda.Stream(device)
+            side = _build_streams[device] = private_stream(device)
     cur = torch.cuda.current_stream(device)
     side.wait_stream(cur)
 

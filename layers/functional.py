@@ -261,14 +261,13 @@ def _values_grad(dy, x, topo, need_db):
 # stream switches would add host time to a host-bound step. One side stream per capturing stream:
 # a side stream joined into one capture stays in it until that capture ends, so two captures open
 # at once (two threads, each on its own stream) must not share one, and no side stream may be
-# another capture's own stream. torch.cuda.Stream() hands out the 32 streams of a pool per
-# priority in turn, so a side stream drawn from the default-priority pool, where capture streams
-# come from, is sooner or later the very stream another thread captures on (seen on the H200: a
-# side stream cached for one capture stream was the second thread's capture stream, whose capture
-# then failed). The side streams come from the high-priority pool instead: distinct from every
-# default-priority stream, and from each other for up to 32 capturing streams.
+# another capture's own stream: the side streams come from `gpu.launch.private_stream`, torch's
+# high-priority pool, distinct from every default-priority stream (where capture streams come
+# from), and from each other for up to 32 capturing streams. (Drawn from the default-priority
+# pool, which torch.cuda.Stream() hands out in turn, a side stream cached for one capture stream
+# could be the very stream a second thread captures on; the likely cause of that thread's
+# capture failing on the H200 at 4019434, see the README's test table.)
 _SIDE = {}
-_SIDE_PRIORITY = -1
 
 
 def _backward_two_branches(dy, x, values, topo, need_db):
@@ -276,7 +275,8 @@ def _backward_two_branches(dy, x, values, topo, need_db):
     key = (dy.device, cur.cuda_stream)
     side = _SIDE.get(key)
     if side is None:
-        side = _SIDE[key] = torch.cuda.Stream(dy.device, priority=_SIDE_PRIORITY)
+        from snack.gpu.launch import private_stream
+        side = _SIDE[key] = private_stream(dy.device)
     side.wait_stream(cur)
     with torch.cuda.stream(side):  # (x and dy are only read there, before the join below)
         dv, db = _values_grad(dy, x, topo, need_db)

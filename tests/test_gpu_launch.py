@@ -242,6 +242,13 @@ def test_build_persistent_runs_on_its_worker_nests_and_raises():
     with pytest.raises(ValueError, match="not sorted"):
         build_persistent("cuda", bad)
     assert build_persistent("cpu", threading.get_ident) == main   # off the GPU: in place
+    # fn ran on the builder's stream, which is none of the default-priority pool's streams (where
+    # another thread's capture stream may come from)
+    from snack.gpu import launch
+    side = build_persistent("cuda", lambda: torch.cuda.current_stream().cuda_stream)
+    assert side == launch._build_streams[torch.device("cuda")].cuda_stream
+    assert side not in {torch.cuda.Stream().cuda_stream for _ in range(64)}
+    assert launch.private_stream("cuda").priority == launch.PRIVATE_STREAM_PRIORITY < 0
 
 
 def test_cluster_launch_config(monkeypatch):
