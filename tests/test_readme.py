@@ -1,0 +1,67 @@
+"""The README's Python examples run as written, on the CPU, one after the other in one namespace
+(as a reader would paste them), and do what their comments say."""
+import re
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import snack
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python_blocks() -> list:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_readme_has_the_api_examples():
+    blocks = _python_blocks()
+    assert len(blocks) >= 4
+    assert "snack.SparseLinear(" in blocks[0] and "snack.dst." in "".join(blocks)
+
+
+def test_readme_connection_count_is_the_layers():
+    said = re.search(r"SparseLinear\(1024, 512, sparsity=0\.9\)\s*# ([\d,]+) random connections", _python_blocks()[0])
+    assert said, "the README's first example no longer states its number of connections"
+    assert snack.SparseLinear(1024, 512, sparsity=0.9).values.numel() == int(said.group(1).replace(",", ""))
+
+
+def test_readme_python_examples_run_and_do_what_they_say():
+    torch.manual_seed(0)
+    # what the DST loop takes from its context: a loader of MNIST-shaped batches, 101 of them so
+    # that the 100th step is an update step
+    loader = [(torch.randn(8, 784), torch.randint(0, 10, (8,))) for _ in range(101)]
+    ns = {"F": F, "loader": loader}
+    blocks = _python_blocks()
+
+    def run(i):
+        exec(compile(blocks[i], f"README.md python block {i + 1}", "exec"), ns)
+
+    # block 1: the layer, its parameters and what sparsify did
+    run(0)
+    layer = ns["layer"]
+    assert isinstance(layer, snack.SparseLinear) and layer.values.numel() == round(0.05 * 1024 * 512)
+    assert ns["y"].shape == (32, 512)
+    dense = ns["x"] @ layer.to_dense().T + layer.bias
+    torch.testing.assert_close(ns["y"], dense, rtol=1e-4, atol=1e-4)
+    model = ns["model"]
+    sparse = [m for m in model if isinstance(m, snack.SparseLinear)]
+    assert len(sparse) == 3 and not any(type(m) is nn.Linear for m in model)
+    W = ns["W"]
+    assert tuple(W.shape) == (512, 1024) and W.indices.shape[1] == layer.values.numel()
+    torch.testing.assert_close(torch.as_tensor(W.to_scipy("csr").toarray()), layer.to_dense().detach())
+
+    # block 2: RigL updated once, at step 100, keeping every layer's nnz
+    nnz = [m.values.numel() for m in sparse]
+    run(1)
+    dst = ns["dst"]
+    assert dst.last_update is not None and dst.last_update.step == 100
+    assert dst.last_update.grown == dst.last_update.dropped > 0
+    assert [m.values.numel() for m in sparse] == [m.indices.shape[1] for m in sparse] == nnz
+
+    # the rest: torch.compile (lazy: nothing compiles until it is called) and the optimizer
+    for i in range(2, len(blocks)):
+        run(i)
+    assert isinstance(ns["opt"], torch.optim.Adam)
