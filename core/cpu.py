@@ -14,11 +14,15 @@ store/reload round trip per non-zero then makes the loop about 1.6x slower.)
 - SpMM walks CSR order (`topo.row_ptr`, `topo.cols`); rows' results are staged 16 rows at a time
   and written to Y (B, out) as contiguous runs. B = 1 is a dot product with four partial sums.
   Parallel tasks: (chunk of rows of equal nnz, batch tile).
-- dX = dY W also walks CSR order, so no permuted copy of the values (a random gather of all nnz
-  per call) is needed: dX^T[c, :] += v_k dY^T[r_k, :], each task owning a range of columns c of
-  equal nnz. Columns are sorted within a row, so a task's part of each row is one run, whose
-  bounds are found once per topology and cached. A task scatters into its own rows of a scratch
-  dX^T, with the row's dY^T tile in registers.
+- dX = dY W, for B <= 16, also walks CSR order, so no permuted copy of the values (a random
+  gather of all nnz per call) is needed: dX^T[c, :] += v_k dY^T[r_k, :], each task owning a range
+  of columns c of equal nnz. Columns are sorted within a row, so a task's part of each row is one
+  run, whose bounds are found once per topology and cached. A task scatters into its own rows of
+  a scratch dX^T, with the row's dY^T tile in registers. Each non-zero then loads and stores a
+  w-wide row of that scratch, which from w = 32 on costs more than the gather: for B > 16 the
+  values are gathered into column order (one parallel pass, an nnz-sized temporary) and dX runs
+  as the SpMM kernel on W^T (the topology's cached CSC arrays), with the same additions in the
+  same order, so both ways give the same bits.
 - SDDMM walks CSR order: per row, the dY^T tile stays in registers and each non-zero adds the
   tree sum of one elementwise product with a gathered X^T tile.
 No two tasks write the same element (no atomics), and every output element is summed in a
@@ -71,6 +75,9 @@ _CHUNKS_PER_THREAD = 4  # row chunks per thread (SpMM, SDDMM): evens out uneven 
 # processes, or torch's own OpenMP workers still spinning after a torch op) its fork-join can
 # wait a scheduler tick or two (4-8 ms) for a descheduled worker.
 _PARALLEL_MIN_WORK = 1 << 20
+# dX runs as an SpMM on W^T (values gathered into column order per call) when a batch tile is at
+# least this wide, i.e. B > 16; below, it scatters in CSR order (see the module docstring)
+_TRANSPOSED_MIN_WIDTH = 32
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -281,8 +288,25 @@ def _spmm_kernel(split, ptr, idx, vals, src, m, dst, plan, parallel):
 # the thread count, and no copy of the values in column order is made.
 @njit(fastmath={"contract"}, inline="always")
 def _scatter_one(k0, k1, idx, vals, g, part):
-    for k in range(k0, k1):
+    # a row's columns are distinct, so four loads may go before the four stores
+    k = k0
+    while k + 4 <= k1:
+        c0 = idx[k]
+        c1 = idx[k + 1]
+        c2 = idx[k + 2]
+        c3 = idx[k + 3]
+        p0 = part[c0]
+        p1 = part[c1]
+        p2 = part[c2]
+        p3 = part[c3]
+        part[c0] = p0 + vals[k] * g
+        part[c1] = p1 + vals[k + 1] * g
+        part[c2] = p2 + vals[k + 2] * g
+        part[c3] = p3 + vals[k + 3] * g
+        k += 4
+    while k < k1:
         part[idx[k]] += vals[k] * g
+        k += 1
 
 
 def _make_scatter(w):
@@ -339,6 +363,17 @@ def _spmm_t_task(it, csplit, bounds, idx, vals, src, part, dst, plan):
     for j in range(nb):
         for c in range(c0, c1):
             dst[b0 + j, c] = part[pbase + c * w + j]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _gather_kernel(vals, perm, dst, parallel):
+    """dst[i] = vals[perm[i]]: the values in column-major order, for dX as an SpMM on W^T."""
+    if parallel:
+        for i in prange(perm.shape[0]):
+            dst[i] = vals[perm[i]]
+    else:
+        for i in range(perm.shape[0]):
+            dst[i] = vals[perm[i]]
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -476,6 +511,21 @@ def _csr(topo: Topology, nchunk: int):
     if s is None:
         s = c[nchunk] = _split(c["ptr"], nchunk)
     return s, c["ptr"], c["idx"]
+
+
+def _csc(topo: Topology, nchunk: int):
+    """(split, col_ptr, rows, perm): W^T in CSR form, int32 numpy arrays cached on the topology
+    (perm: the canonical position of each column-major entry); split cuts the columns into
+    `nchunk` chunks of about equal nnz."""
+    c = topo.cache.get("cpu_csc")
+    if c is None:
+        check_topology(topo)
+        c = topo.cache["cpu_csc"] = {"ptr": _np_i32(topo.col_ptr), "idx": _np_i32(topo.rows_by_col),
+                                     "perm": _np_i32(topo.col_perm)}
+    s = c.get(nchunk)
+    if s is None:
+        s = c[nchunk] = _split(c["ptr"], nchunk)
+    return s, c["ptr"], c["idx"], c["perm"]
 
 
 def _col_bounds(topo: Topology, nchunk: int):
@@ -686,6 +736,15 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,
         return res.zero_()
     plan, width = _plan(shape[0])
     n = _threads(topo.nnz * width)
+    if int(plan[:, 0].max()) >= _TRANSPOSED_MIN_WIDTH:  # the SpMM on W^T, values gathered
+        split, ptr, idx, perm = _csc(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
+        with torch.no_grad(), _parallel_lock(n):
+            vals = _vector(values, cdtype)
+            vt = np.empty_like(vals)
+            _gather_kernel(vals, perm, vt, n > 1)
+            _spmm_kernel(split, ptr, idx, vt, _tiles(dy, cdtype, plan, width), dy.shape[1],
+                         buf.detach().numpy(), plan, n > 1)
+        return _finish(res, buf)
     nchunk = n  # one column range per thread: each range is one more pass over the rows
     _, _, idx = _csr(topo, 1)
     csplit, bounds = _col_bounds(topo, nchunk)

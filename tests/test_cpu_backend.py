@@ -173,6 +173,21 @@ def test_deterministic_across_threads_and_modes(gen, monkeypatch):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_input_gradient_scatter_and_transposed_spmm_give_the_same_bits(gen, mode, monkeypatch, dtype):
+    """dX has two ways (a CSR-order scatter for small B, the SpMM on W^T with gathered values for
+    large B) that add the same products in the same order: equal bits at every batch width."""
+    coo, _, _ = make(gen, 45, 67, 1, 0.2, dtype)
+    for B in (2, 9, 17, 40, 70, 130):
+        dy = torch.randn(B, 45, generator=gen).to(dtype)
+        got = []
+        for min_width in (8, 1 << 30):  # every batch tile transposed / none
+            monkeypatch.setattr(cpu, "_TRANSPOSED_MIN_WIDTH", min_width)
+            got.append(cpu.spmm_t(dy, coo.topology, coo.values, out=torch.full((B, 67), float("nan"), dtype=dtype)))
+        assert torch.equal(got[0], got[1]), B
+        assert_close_dtype(got[0], spmm_t_reference(dy.double(), coo.indices, coo.values.double(), 67))
+
+
 def test_parallel_threshold():
     """A large call is split into parallel tasks, a small one runs on the calling thread."""
     if torch.get_num_threads() < 2:
