@@ -8,6 +8,7 @@ neighbour hurts both sides alike):
     forward   snack.core.cpu.spmm(x, W)      vs dense torch.mm(x, W_dense.t())
     dX        snack.core.cpu.spmm_t(dy, W)   vs dense torch.mm(dy, W_dense)
     SDDMM     snack.core.cpu.sddmm(dy, x, W) vs dense torch.mm(dy.t(), x) (the dense weight gradient)
+(SNACK and dense both write into outputs allocated once, with `out=`),
 plus torch's own CSR matmul (`torch.mm(W_csr, x.t())`, MKL) as a second sparse baseline for the
 two SpMMs. Before timing, each op's result is checked (the SDDMM against (dy^T x) at W's non-zeros,
 in float64). Every timing is the median over `--rounds` x `--repeats` calls (the minimum is kept
@@ -140,15 +141,18 @@ def main(argv=None) -> list:
         y_out = torch.empty(B, n_out)
         dx_out = torch.empty(B, n_in)
         dv_out = torch.empty(w.nnz)
+        # dense writes into outputs made once too: a fresh 64 MB weight gradient per call would
+        # time the allocator's page faults (3.7 or 18 ms for the same product, run to run)
+        y_dense, dx_dense, gw_dense = torch.empty(B, n_out), torch.empty(B, n_in), torch.empty(n_out, n_in)
         ops = {
             "forward": {"snack": lambda: cpu.spmm(x, topo, vals, out=y_out),
-                        "dense": lambda: torch.mm(x, wd.t()),
+                        "dense": lambda: torch.mm(x, wd.t(), out=y_dense),
                         "torch_csr": lambda: torch.mm(csr, x.t())},
             "dX": {"snack": lambda: cpu.spmm_t(dy, topo, vals, out=dx_out),
-                   "dense": lambda: torch.mm(dy, wd),
+                   "dense": lambda: torch.mm(dy, wd, out=dx_dense),
                    "torch_csr": lambda: torch.mm(csr_t, dy.t())},
             "SDDMM": {"snack": lambda: cpu.sddmm(dy, x, topo, out=dv_out),
-                      "dense": lambda: torch.mm(dy.t(), x)},
+                      "dense": lambda: torch.mm(dy.t(), x, out=gw_dense)},
         }
         for op, fns in ops.items():
             t = bench_blocks(fns, args.rounds, args.repeats, args.warmup)
