@@ -39,15 +39,15 @@ float16 and bfloat16 are computed in float32 and rounded once at the end. Kernel
 on first use (about 30 s for both dtypes) and cached on disk (`cache=True`): one
 specialisation per op and dtype.
 
-Speed, 4096 x 4096 at 90% sparsity (nnz = 1.68 M), float32, 2 cores (AMD EPYC Zen 4, torch
-2.13 CPU; experiments/bench_cpu.py, results/bench_cpu.csv), time against dense torch.mm:
+Speed, 4096 x 4096 at 90% sparsity (nnz = 1.68 M), float32, 2 cores (Intel Xeon, torch 2.13
+CPU; experiments/bench_cpu.py, results/bench_cpu.csv @ 169eda1), time against dense torch.mm:
                  B = 1                  B = 32                 B = 128
-    forward      0.86 ms vs 3.10 (3.6x)  1.47 vs 10.19 (6.9x)   5.88 vs 27.25 (4.6x)
-    dX           1.12 vs 2.70 (2.4x)     2.57 vs 10.91 (4.2x)   7.71 vs 26.73 (3.5x)
-    SDDMM        1.56 vs 27.94 (18x)     1.99 vs 23.89 (12x)    9.12 vs 41.66 (4.6x)
-(SDDMM against the dense weight gradient dY^T X.) torch's MKL CSR matmul takes 1.26 / 2.72 /
-14.77 ms for the forward. Medians of calls including the Python overhead and the X^T copy,
-measured while the shared machine was otherwise idle.
+    forward      0.94 ms vs 1.36 (1.45x) 1.51 vs 6.22 (4.1x)    4.89 vs 15.83 (3.2x)
+    dX           1.46 vs 1.25 (0.85x)    2.27 vs 5.41 (2.4x)    6.21 vs 15.35 (2.5x)
+    SDDMM        0.77 vs 1.67 (2.2x)     2.45 vs 3.50 (1.4x)    7.69 vs 16.17 (2.1x)
+(SDDMM against the dense weight gradient dY^T X.) torch's MKL CSR matmul takes 1.54 / 1.82 /
+8.06 ms for the forward. Medians of calls including the Python overhead and the X^T copy, every
+output (SNACK's and dense's) allocated once, measured while the shared machine was otherwise idle.
 """
 from __future__ import annotations
 
