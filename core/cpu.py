@@ -520,8 +520,13 @@ def _csc(topo: Topology, nchunk: int):
     c = topo.cache.get("cpu_csc")
     if c is None:
         check_topology(topo)
-        c = topo.cache["cpu_csc"] = {"ptr": _np_i32(topo.col_ptr), "idx": _np_i32(topo.rows_by_col),
-                                     "perm": _np_i32(topo.col_perm)}
+        rows, cols = topo.indices.numpy()
+        # canonical order is row-major, so a stable sort by column keeps rows ascending per column
+        # (int32 arrays only: the topology's own int64 col_perm would double what this costs)
+        perm = np.argsort(cols, kind="stable").astype(np.int32)
+        ptr = np.zeros(topo.shape[1] + 1, np.int64)
+        np.cumsum(np.bincount(cols, minlength=topo.shape[1]), out=ptr[1:])
+        c = topo.cache["cpu_csc"] = {"ptr": ptr.astype(np.int32), "idx": rows[perm], "perm": perm}
     s = c.get(nchunk)
     if s is None:
         s = c[nchunk] = _split(c["ptr"], nchunk)

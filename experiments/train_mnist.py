@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -201,6 +202,23 @@ def _add(seen: dict, t) -> None:
         seen.setdefault(_storage_key(t), t.untyped_storage().nbytes())
 
 
+def _cached_arrays(obj, indices: np.ndarray):
+    """The tensors and numpy arrays (as tensors sharing their memory) in a topology cache entry,
+    looking inside dicts, lists and tuples (the CPU backend keeps dicts of numpy arrays); a
+    numpy view of the indices themselves (counted with them) is left out."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, np.ndarray):
+        if not np.may_share_memory(obj, indices):
+            yield torch.from_numpy(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _cached_arrays(v, indices)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _cached_arrays(v, indices)
+
+
 def _topology_tensors(model: nn.Module):
     """Tensors of the cached topology metadata of every SparseLinear (row pointers, column
     permutation, backend-specific arrays), which the backend keeps beside the layer."""
@@ -209,7 +227,8 @@ def _topology_tensors(model: nn.Module):
         if isinstance(m, snack.SparseLinear):
             topo = get_topology(m.indices, (m.out_features, m.in_features))
             yield topo.indices
-            yield from (c for c in topo.cache.values() if isinstance(c, torch.Tensor))
+            idx = topo.indices.numpy() if topo.indices.device.type == "cpu" else np.empty(0)
+            yield from _cached_arrays(topo.cache, idx)
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
