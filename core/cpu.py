@@ -69,6 +69,7 @@ __all__ = ["spmm", "spmm_t", "sddmm", "supports", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NATIVE = (torch.float32, torch.float64)
+_NP_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
 _CHUNKS_PER_THREAD = 4  # row chunks per thread (SpMM, SDDMM): evens out uneven rows
 # Below this many multiply-adds (~0.5 ms on one core) a call runs on the calling thread alone:
 # a parallel region costs tens of microseconds on an idle machine, and on a busy one (other
@@ -646,6 +647,31 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in _NATIVE else torch.float32
 
 
+_TILE_COLS = 16
+_TILE_KERNEL_MAX = 1 << 16  # elements of t up to which _tiles uses _tile_kernel
+
+
+@njit(nogil=True, cache=True)
+def _tile_kernel(t, plan, flat):
+    """flat[b0 * m + c * w + j] = t[b0 + j, c] (0 for j >= nb) for each tile (w, b0, nb) of plan:
+    t (B, m) of any strides, into the tile-major layout of the kernels' `src`."""
+    m = t.shape[1]
+    zero = flat.dtype.type(0)
+    for ti in range(plan.shape[0]):
+        w = plan[ti, 0]
+        b0 = plan[ti, 1]
+        nb = plan[ti, 2]
+        base = b0 * m
+        for c0 in range(0, m, _TILE_COLS):  # a block of columns: its w-wide rows stay in L1
+            c1 = min(m, c0 + _TILE_COLS)
+            for j in range(nb):
+                for c in range(c0, c1):
+                    flat[base + c * w + j] = t[b0 + j, c]
+            for c in range(c0, c1):
+                for j in range(nb, w):
+                    flat[base + c * w + j] = zero
+
+
 def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int) -> np.ndarray:
     """t (B, m) -> flat tile-major t^T of `dtype` (see the kernels' `src`), one copy (none for a
     plain contiguous B = 1 tensor of `dtype`)."""
@@ -653,6 +679,13 @@ def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int) ->
     B, m = t.shape
     if width == 1 and t.dtype == dtype and t.is_contiguous() and not t.is_neg():
         return t.reshape(m).numpy()
+    if B * m <= _TILE_KERNEL_MAX and t.dtype == dtype and not t.is_neg() and min(t.stride()) >= 0:
+        # small t: one compiled pass (a few us) instead of torch copies per tile (~15 us each);
+        # larger ones copy faster through torch (its transposing copy, a plain copy when t is
+        # column-major)
+        flat = np.empty(m * width, dtype=_NP_DTYPE[dtype])
+        _tile_kernel(t.numpy(), plan, flat)
+        return flat
     flat = torch.empty(m * width, dtype=dtype)
     for nw, b0, nb in plan.tolist():
         blk = flat[b0 * m:(b0 + nw) * m].view(m, nw)

@@ -188,6 +188,24 @@ def test_input_gradient_scatter_and_transposed_spmm_give_the_same_bits(gen, mode
         assert_close_dtype(got[0], spmm_t_reference(dy.double(), coo.indices, coo.values.double(), 67))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_batch_tiles_same_from_the_compiled_copy_and_torch(gen, monkeypatch, dtype):
+    """The tile-major copy of X (or dY) is made by a compiled loop for small inputs and by torch
+    copies for large ones: the same array, whatever the batch width and the input's strides."""
+    for B, m in ((1, 7), (2, 5), (9, 33), (17, 3), (40, 21), (70, 13), (130, 9)):
+        t = torch.randn(B, m + 3, generator=gen, dtype=dtype)
+        plan, width = cpu._plan(B)
+        for view in (t[:, :m], t[:, 3:].t().contiguous().t(), t[:, :m].contiguous()):
+            got = []
+            for limit in (1 << 62, 0):
+                monkeypatch.setattr(cpu, "_TILE_KERNEL_MAX", limit)
+                got.append(cpu._tiles(view, dtype, plan, width).copy())
+            assert got[0].shape == (m * width,) and (got[0] == got[1]).all(), (B, m, view.stride())
+            for w, b0, nb in plan.tolist():  # and it is X^T, tile by tile, zero-padded
+                blk = torch.from_numpy(got[0][b0 * m:(b0 + w) * m]).view(m, w)
+                assert torch.equal(blk[:, :nb], view[b0:b0 + nb].t()) and not blk[:, nb:].any()
+
+
 def test_parallel_threshold():
     """A large call is split into parallel tasks, a small one runs on the calling thread."""
     if torch.get_num_threads() < 2:
