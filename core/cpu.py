@@ -525,9 +525,7 @@ def _csc(topo: Topology, nchunk: int):
         # canonical order is row-major, so a stable sort by column keeps rows ascending per column
         # (int32 arrays only: the topology's own int64 col_perm would double what this costs)
         perm = np.argsort(cols, kind="stable").astype(np.int32)
-        ptr = np.zeros(topo.shape[1] + 1, np.int64)
-        np.cumsum(np.bincount(cols, minlength=topo.shape[1]), out=ptr[1:])
-        c = topo.cache["cpu_csc"] = {"ptr": ptr.astype(np.int32), "idx": rows[perm], "perm": perm}
+        c = topo.cache["cpu_csc"] = {"ptr": _np_i32(topo.col_ptr), "idx": rows[perm], "perm": perm}
     s = c.get(nchunk)
     if s is None:
         s = c[nchunk] = _split(c["ptr"], nchunk)
@@ -647,7 +645,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in _NATIVE else torch.float32
 
 
-_TILE_COLS = 16
 _TILE_KERNEL_MAX = 1 << 16  # elements of t up to which _tiles uses _tile_kernel
 
 
@@ -662,14 +659,12 @@ def _tile_kernel(t, plan, flat):
         b0 = plan[ti, 1]
         nb = plan[ti, 2]
         base = b0 * m
-        for c0 in range(0, m, _TILE_COLS):  # a block of columns: its w-wide rows stay in L1
-            c1 = min(m, c0 + _TILE_COLS)
+        for c in range(m):
+            o = base + c * w
             for j in range(nb):
-                for c in range(c0, c1):
-                    flat[base + c * w + j] = t[b0 + j, c]
-            for c in range(c0, c1):
-                for j in range(nb, w):
-                    flat[base + c * w + j] = zero
+                flat[o + j] = t[b0 + j, c]
+            for j in range(nb, w):
+                flat[o + j] = zero
 
 
 def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int) -> np.ndarray:
@@ -679,7 +674,7 @@ def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int) ->
     B, m = t.shape
     if width == 1 and t.dtype == dtype and t.is_contiguous() and not t.is_neg():
         return t.reshape(m).numpy()
-    if B * m <= _TILE_KERNEL_MAX and t.dtype == dtype and not t.is_neg() and min(t.stride()) >= 0:
+    if B * m <= _TILE_KERNEL_MAX and t.dtype == dtype and not t.is_neg():
         # small t: one compiled pass (a few us) instead of torch copies per tile (~15 us each);
         # larger ones copy faster through torch (its transposing copy, a plain copy when t is
         # column-major)
