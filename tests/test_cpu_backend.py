@@ -206,6 +206,34 @@ def test_batch_tiles_same_from_the_compiled_copy_and_torch(gen, monkeypatch, dty
                 assert torch.equal(blk[:, :nb], view[b0:b0 + nb].t()) and not blk[:, nb:].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_sddmm_sums_in_a_fixed_tree_per_batch_tile(gen, mode, dtype):
+    """Each dv_k is, per batch tile (width w zero-padded), the products summed as a tree of
+    halves (lanes i and i + w/2, ..., then i and i + 1), and the tiles added in order, whether
+    the row's non-zero is one of 8 reduced together or one of the row's last few: the same
+    bits as this order written in torch."""
+    ptr = [0]
+    for n in (0, 1, 7, 8, 9, 15, 16, 17, 24, 3):  # row lengths around the groups of 8
+        ptr.append(ptr[-1] + n)
+    rows = torch.repeat_interleave(torch.arange(len(ptr) - 1), torch.tensor(ptr).diff())
+    cols = torch.cat([torch.randperm(30, generator=gen)[:n].sort().values for n in torch.tensor(ptr).diff().tolist()])
+    idx = torch.stack([rows, cols])
+    topo = Topology(idx, (len(ptr) - 1, 30))
+    for B in (2, 8, 13, 32, 40, 64, 100, 130):
+        x = torch.randn(B, 30, generator=gen, dtype=dtype)
+        dy = torch.randn(B, len(ptr) - 1, generator=gen, dtype=dtype)
+        plan, _ = cpu._plan(B)
+        want = None
+        for w, b0, nb in plan.tolist():
+            p = torch.zeros(idx.shape[1], w, dtype=dtype)
+            p[:, :nb] = dy[b0:b0 + nb, idx[0]].t() * x[b0:b0 + nb, idx[1]].t()
+            while p.shape[1] > 1:
+                p = p[:, :p.shape[1] // 2] + p[:, p.shape[1] // 2:]
+            want = p[:, 0] if want is None else want + p[:, 0]
+        got = cpu.sddmm(dy, x, topo, out=torch.full((idx.shape[1],), float("nan"), dtype=dtype))
+        assert torch.equal(got, want), B
+
+
 def test_parallel_threshold():
     """A large call is split into parallel tasks, a small one runs on the calling thread."""
     if torch.get_num_threads() < 2:
