@@ -703,42 +703,59 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in _NATIVE else torch.float32
 
 
-_TILE_KERNEL_MAX = 1 << 16  # elements of t up to which _tiles uses _tile_kernel
+_TILE_COLS = 64  # columns of t per task of _tile_kernel
 
 
-@njit(nogil=True, cache=True)
-def _tile_kernel(t, plan, flat):
-    """flat[b0 * m + c * w + j] = t[b0 + j, c] (0 for j >= nb) for each tile (w, b0, nb) of plan:
-    t (B, m) of any strides, into the tile-major layout of the kernels' `src`."""
+@njit(inline="always")
+def _tile_task(q, nblk, t, plan, flat):
+    """Task q of _tile_kernel: one tile of plan, columns c0 .. c0 + _TILE_COLS of t."""
     m = t.shape[1]
+    ti = q // nblk
+    c0 = (q % nblk) * _TILE_COLS
+    c1 = min(c0 + _TILE_COLS, m)
+    w = plan[ti, 0]
+    b0 = plan[ti, 1]
+    nb = plan[ti, 2]
+    base = b0 * m
+    for j in range(nb):  # reads along t's rows
+        for c in range(c0, c1):
+            flat[base + c * w + j] = t[b0 + j, c]
     zero = flat.dtype.type(0)
-    for ti in range(plan.shape[0]):
-        w = plan[ti, 0]
-        b0 = plan[ti, 1]
-        nb = plan[ti, 2]
-        base = b0 * m
-        for c in range(m):
-            o = base + c * w
-            for j in range(nb):
-                flat[o + j] = t[b0 + j, c]
-            for j in range(nb, w):
-                flat[o + j] = zero
+    for c in range(c0, c1):
+        for j in range(nb, w):
+            flat[base + c * w + j] = zero
 
 
-def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int) -> np.ndarray:
+@njit(parallel=True, nogil=True, cache=True)
+def _tile_kernel(t, plan, flat, parallel):
+    """flat[b0 * m + c * w + j] = t[b0 + j, c] (0 for j >= nb) for each tile (w, b0, nb) of plan:
+    t (B, m), rows contiguous, into the tile-major layout of the kernels' `src`; tasks = (tile,
+    block of _TILE_COLS columns)."""
+    nblk = (t.shape[1] + _TILE_COLS - 1) // _TILE_COLS
+    if parallel:
+        for q in prange(plan.shape[0] * nblk):
+            _tile_task(q, nblk, t, plan, flat)
+    else:
+        for q in range(plan.shape[0] * nblk):
+            _tile_task(q, nblk, t, plan, flat)
+
+
+def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int, parallel: bool) -> np.ndarray:
     """t (B, m) -> flat tile-major t^T of `dtype` (see the kernels' `src`), one copy (none for a
-    plain contiguous B = 1 tensor of `dtype`)."""
+    plain contiguous B = 1 tensor of `dtype`). Run under the op's _parallel_lock: with `parallel`
+    the copy is split over Numba's threads as the op's kernel is."""
     t = t.detach()
     B, m = t.shape
     if width == 1 and t.dtype == dtype and t.is_contiguous() and not t.is_neg():
         return t.reshape(m).numpy()
-    if B * m <= _TILE_KERNEL_MAX and t.dtype == dtype and not t.is_neg():
-        # small t: one compiled pass (a few us) instead of torch copies per tile (~15 us each);
-        # larger ones copy faster through torch (its transposing copy, a plain copy when t is
-        # column-major)
+    if t.dtype == dtype and not t.is_neg() and (t.stride(1) == 1 or m == 1):
+        # one compiled pass, on every thread the op uses (torch's transposing copy runs on one
+        # here and costs as much as this loop does on one)
         flat = np.empty(m * width, dtype=_NP_DTYPE[dtype])
-        _tile_kernel(t.numpy(), plan, flat)
+        _tile_kernel(t.numpy(), plan, flat, parallel)
         return flat
+    # another dtype (a conversion), a negative view, or columns not contiguous (column-major t:
+    # a plain copy for torch)
     flat = torch.empty(m * width, dtype=dtype)
     for nw, b0, nb in plan.tolist():
         blk = flat[b0 * m:(b0 + nw) * m].view(m, nw)
@@ -797,7 +814,7 @@ def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor,
     n = _threads(topo.nnz * width)
     split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
     with torch.no_grad(), _parallel_lock(n):
-        _spmm_kernel(split, ptr, idx, _vector(values, cdtype), _tiles(x, cdtype, plan, width),
+        _spmm_kernel(split, ptr, idx, _vector(values, cdtype), _tiles(x, cdtype, plan, width, n > 1),
                      x.shape[1], buf.detach().numpy(), plan, n > 1)
     return _finish(res, buf)
 
@@ -833,14 +850,14 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,
             vals = _vector(values, cdtype)
             vt = np.empty_like(vals)
             _gather_kernel(vals, perm, vt, n > 1)
-            _spmm_kernel(split, ptr, idx, vt, _tiles(dy, cdtype, plan, width), dy.shape[1],
+            _spmm_kernel(split, ptr, idx, vt, _tiles(dy, cdtype, plan, width, n > 1), dy.shape[1],
                          buf.detach().numpy(), plan, n > 1)
         return _finish(res, buf)
     nchunk = n  # one column range per thread: each range is one more pass over the rows
     _, _, idx = _csr(topo, 1)
     csplit, bounds = _col_bounds(topo, nchunk)
     with torch.no_grad(), _parallel_lock(n):
-        src = _tiles(dy, cdtype, plan, width)
+        src = _tiles(dy, cdtype, plan, width, n > 1)
         vals = _vector(values, cdtype)
         part = np.empty(shape[1] * width, dtype=src.dtype)
         _spmm_t_kernel(csplit, bounds, idx, vals, src, part, buf.detach().numpy(), plan, n > 1)
@@ -878,6 +895,6 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
     n = _threads(topo.nnz * width)
     split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
     with torch.no_grad(), _parallel_lock(n):
-        _sddmm_kernel(split, ptr, idx, _tiles(dy, cdtype, plan, width), _tiles(x, cdtype, plan, width),
+        _sddmm_kernel(split, ptr, idx, _tiles(dy, cdtype, plan, width, n > 1), _tiles(x, cdtype, plan, width, n > 1),
                       x.shape[1], buf.detach().numpy(), plan, n > 1)
     return _finish(res, buf)

@@ -189,21 +189,25 @@ def test_input_gradient_scatter_and_transposed_spmm_give_the_same_bits(gen, mode
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_batch_tiles_same_from_the_compiled_copy_and_torch(gen, monkeypatch, dtype):
-    """The tile-major copy of X (or dY) is made by a compiled loop for small inputs and by torch
-    copies for large ones: the same array, whatever the batch width and the input's strides."""
-    for B, m in ((1, 7), (2, 5), (9, 33), (17, 3), (40, 21), (70, 13), (130, 9)):
+def test_batch_tiles_from_the_compiled_copy_serial_parallel_and_torch(gen, dtype):
+    """The tile-major copy of X (or dY) is made by a compiled loop (on one thread or on all) when
+    t's rows are contiguous and by torch copies otherwise (column-major t, another dtype): each
+    is X^T tile by tile, zero-padded, whatever the batch width and the input's strides."""
+    other = torch.float64 if dtype == torch.float32 else torch.float32
+    for B, m in ((1, 7), (2, 5), (9, 33), (17, 3), (40, 21), (70, 13), (130, 9), (65, 150)):
         t = torch.randn(B, m + 3, generator=gen, dtype=dtype)
-        plan, width = cpu._plan(B)
-        for view in (t[:, :m], t[:, 3:].t().contiguous().t(), t[:, :m].contiguous()):
-            got = []
-            for limit in (1 << 62, 0):
-                monkeypatch.setattr(cpu, "_TILE_KERNEL_MAX", limit)
-                got.append(cpu._tiles(view, dtype, plan, width).copy())
-            assert got[0].shape == (m * width,) and (got[0] == got[1]).all(), (B, m, view.stride())
-            for w, b0, nb in plan.tolist():  # and it is X^T, tile by tile, zero-padded
-                blk = torch.from_numpy(got[0][b0 * m:(b0 + w) * m]).view(m, w)
-                assert torch.equal(blk[:, :nb], view[b0:b0 + nb].t()) and not blk[:, nb:].any()
+        views = (t[:, :m], t[:, 3:].t().contiguous().t(), t[:, :m].contiguous(), t[:, :m].to(other),
+                 t[::2, :m], t[:1, :m].expand(B, m))
+        for view in views:
+            want = view.to(dtype)
+            plan, width = cpu._plan(view.shape[0])
+            for parallel in (False, True):
+                got = cpu._tiles(view, dtype, plan, width, parallel)
+                assert got.shape == (m * width,), (B, m, view.stride())
+                for w, b0, nb in plan.tolist():
+                    blk = torch.from_numpy(got[b0 * m:(b0 + w) * m]).view(m, w)
+                    assert torch.equal(blk[:, :nb], want[b0:b0 + nb].t()), (B, m, view.stride(), parallel)
+                    assert not blk[:, nb:].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
