@@ -740,6 +740,14 @@ def _tile_kernel(t, plan, flat, parallel):
             _tile_task(q, nblk, t, plan, flat)
 
 
+def _empty(n: int, dtype: torch.dtype) -> np.ndarray:
+    """An uninitialised (n,) array from torch's allocator: 64-byte aligned, so that each w-wide row
+    of a tile-major array starts on a cache line (numpy's own allocations are 16- or 32-byte
+    aligned: a 64-wide float32 row 32 bytes off a line spans 5 lines instead of 4, and the forward
+    at 4096 x 4096, 90%, took 7.9 instead of 4.3 ms at B = 128, 2.1 instead of 1.4 at B = 32)."""
+    return torch.empty(n, dtype=dtype).numpy()
+
+
 def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int, parallel: bool) -> np.ndarray:
     """t (B, m) -> flat tile-major t^T of `dtype` (see the kernels' `src`), one copy (none for a
     plain contiguous B = 1 tensor of `dtype`). Run under the op's _parallel_lock: with `parallel`
@@ -751,7 +759,7 @@ def _tiles(t: torch.Tensor, dtype: torch.dtype, plan: np.ndarray, width: int, pa
     if t.dtype == dtype and not t.is_neg() and (t.stride(1) == 1 or m == 1):
         # one compiled pass, on every thread the op uses (torch's transposing copy runs on one
         # here and costs as much as this loop does on one)
-        flat = np.empty(m * width, dtype=_NP_DTYPE[dtype])
+        flat = _empty(m * width, dtype)
         _tile_kernel(t.numpy(), plan, flat, parallel)
         return flat
     # another dtype (a conversion), a negative view, or columns not contiguous (column-major t:
@@ -859,7 +867,7 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,
     with torch.no_grad(), _parallel_lock(n):
         src = _tiles(dy, cdtype, plan, width, n > 1)
         vals = _vector(values, cdtype)
-        part = np.empty(shape[1] * width, dtype=src.dtype)
+        part = _empty(shape[1] * width, cdtype)
         _spmm_t_kernel(csplit, bounds, idx, vals, src, part, buf.detach().numpy(), plan, n > 1)
     return _finish(res, buf)
 

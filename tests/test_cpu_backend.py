@@ -192,7 +192,8 @@ def test_input_gradient_scatter_and_transposed_spmm_give_the_same_bits(gen, mode
 def test_batch_tiles_from_the_compiled_copy_serial_parallel_and_torch(gen, dtype):
     """The tile-major copy of X (or dY) is made by a compiled loop (on one thread or on all) when
     t's rows are contiguous and by torch copies otherwise (column-major t, another dtype): each
-    is X^T tile by tile, zero-padded, whatever the batch width and the input's strides."""
+    is X^T tile by tile, zero-padded, 64-byte aligned, whatever the batch width and the input's
+    strides."""
     other = torch.float64 if dtype == torch.float32 else torch.float32
     for B, m in ((1, 7), (2, 5), (9, 33), (17, 3), (40, 21), (70, 13), (130, 9), (65, 150)):
         t = torch.randn(B, m + 3, generator=gen, dtype=dtype)
@@ -204,6 +205,8 @@ def test_batch_tiles_from_the_compiled_copy_serial_parallel_and_torch(gen, dtype
             for parallel in (False, True):
                 got = cpu._tiles(view, dtype, plan, width, parallel)
                 assert got.shape == (m * width,), (B, m, view.stride())
+                if width > 1:  # each w-wide row on whole cache lines
+                    assert got.ctypes.data % 64 == 0, (B, m, view.stride())
                 for w, b0, nb in plan.tolist():
                     blk = torch.from_numpy(got[b0 * m:(b0 + w) * m]).view(m, w)
                     assert torch.equal(blk[:, :nb], want[b0:b0 + nb].t()), (B, m, view.stride(), parallel)
