@@ -6,7 +6,8 @@
 
 Design: the batch is moved to the fast axis. X (B, in) is copied once per call into X^T, cut
 into tiles of 8, 16, 32 or 64 batch columns (zero-padded) and stored tile-major: tile t is an
-(in, w) block, so that every non-zero gathers w contiguous elements (whole cache lines) of X^T.
+(in, w) block, 64-byte aligned, so that every non-zero gathers w contiguous elements (whole cache
+lines) of X^T. The copy runs on the op's threads.
 Accumulators are LLVM vector values (four small Numba intrinsics below): 64 float32 columns sit
 in four 512-bit registers while a row's non-zeros stream by, one vector FMA per register per
 non-zero. (Numba's own loop vectoriser keeps a short accumulator array in memory, and the
@@ -24,7 +25,8 @@ store/reload round trip per non-zero then makes the loop about 1.6x slower.)
   as the SpMM kernel on W^T (the topology's cached CSC arrays), with the same additions in the
   same order, so both ways give the same bits.
 - SDDMM walks CSR order: per row, the dY^T tile stays in registers and each non-zero adds the
-  tree sum of one elementwise product with a gathered X^T tile.
+  tree sum of one elementwise product with a gathered X^T tile; 8 non-zeros at a time share the
+  last three levels of their trees (transposing vector adds into one 8-vector of sums).
 No two tasks write the same element (no atomics), and every output element is summed in a
 fixed order: results do not depend on the thread count or on whether a call ran in parallel.
 Numba's thread count follows torch.get_num_threads(); calls below about a million
@@ -40,14 +42,15 @@ on first use (about 30 s for both dtypes) and cached on disk (`cache=True`): one
 specialisation per op and dtype.
 
 Speed, 4096 x 4096 at 90% sparsity (nnz = 1.68 M), float32, 2 cores (Intel Xeon, torch 2.13
-CPU; experiments/bench_cpu.py, results/bench_cpu.csv @ 169eda1), time against dense torch.mm:
-                 B = 1                  B = 32                 B = 128
-    forward      0.94 ms vs 1.36 (1.45x) 1.51 vs 6.22 (4.1x)    4.89 vs 15.83 (3.2x)
-    dX           1.46 vs 1.25 (0.85x)    2.27 vs 5.41 (2.4x)    6.21 vs 15.35 (2.5x)
-    SDDMM        0.77 vs 1.67 (2.2x)     2.45 vs 3.50 (1.4x)    7.69 vs 16.17 (2.1x)
-(SDDMM against the dense weight gradient dY^T X.) torch's MKL CSR matmul takes 1.54 / 1.82 /
-8.06 ms for the forward. Medians of calls including the Python overhead and the X^T copy, every
-output (SNACK's and dense's) allocated once, measured while the shared machine was otherwise idle.
+CPU; experiments/bench_cpu.py --rounds 15, results/bench_cpu.csv @ 4d39c9d), against dense torch.mm:
+                 B = 1                   B = 32                 B = 128
+    forward      0.88 ms vs 1.27 (1.44x) 1.38 vs 6.44 (4.7x)    4.84 vs 16.29 (3.4x)
+    dX           1.33 vs 1.33 (1.00x)    2.07 vs 5.85 (2.8x)    5.97 vs 15.55 (2.6x)
+    SDDMM        0.91 vs 1.75 (1.9x)     1.75 vs 3.63 (2.1x)    6.41 vs 16.44 (2.6x)
+(SDDMM against the dense weight gradient dY^T X.) torch's MKL CSR matmul takes 1.35 / 2.04 /
+8.34 ms for the forward. Medians of calls including the Python overhead and the X^T copy, every
+output (SNACK's and dense's) allocated once, on a shared virtual machine (run-to-run spread
+10-30%).
 """
 from __future__ import annotations
 
