@@ -68,7 +68,7 @@ from numba.extending import intrinsic, models, register_model
 
 from .coo import Topology, check_topology
 
-__all__ = ["spmm", "spmm_t", "sddmm", "supports", "SUPPORTED_DTYPES"]
+__all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "supports", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _NATIVE = (torch.float32, torch.float64)
@@ -855,24 +855,25 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,
         return res.zero_()
     plan, width = _plan(shape[0])
     n = _threads(topo.nnz * width)
+    with torch.no_grad(), _parallel_lock(n):
+        _spmm_t_run(_tiles(dy, cdtype, plan, width, n > 1), topo, values, cdtype, plan, n, buf)
+    return _finish(res, buf)
+
+
+def _spmm_t_run(src, topo: Topology, values, cdtype, plan, n: int, buf: torch.Tensor) -> None:
+    """dX into buf (B, in) from src = dY^T in tiles; under the op's _parallel_lock(n)."""
+    vals = _vector(values, cdtype)
     if int(plan[:, 0].max()) >= _TRANSPOSED_MIN_WIDTH:  # the SpMM on W^T, values gathered
         split, ptr, idx, perm = _csc(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
-        with torch.no_grad(), _parallel_lock(n):
-            vals = _vector(values, cdtype)
-            vt = np.empty_like(vals)
-            _gather_kernel(vals, perm, vt, n > 1)
-            _spmm_kernel(split, ptr, idx, vt, _tiles(dy, cdtype, plan, width, n > 1), dy.shape[1],
-                         buf.detach().numpy(), plan, n > 1)
-        return _finish(res, buf)
-    nchunk = n  # one column range per thread: each range is one more pass over the rows
+        vt = np.empty_like(vals)
+        _gather_kernel(vals, perm, vt, n > 1)
+        _spmm_kernel(split, ptr, idx, vt, src, topo.shape[0], buf.detach().numpy(), plan, n > 1)
+        return
+    # one column range per thread: each range is one more pass over the rows
     _, _, idx = _csr(topo, 1)
-    csplit, bounds = _col_bounds(topo, nchunk)
-    with torch.no_grad(), _parallel_lock(n):
-        src = _tiles(dy, cdtype, plan, width, n > 1)
-        vals = _vector(values, cdtype)
-        part = _empty(shape[1] * width, cdtype)
-        _spmm_t_kernel(csplit, bounds, idx, vals, src, part, buf.detach().numpy(), plan, n > 1)
-    return _finish(res, buf)
+    csplit, bounds = _col_bounds(topo, n)
+    part = _empty(topo.shape[1] * int(plan[-1, 0] + plan[-1, 1]), cdtype)
+    _spmm_t_kernel(csplit, bounds, idx, vals, src, part, buf.detach().numpy(), plan, n > 1)
 
 
 def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
@@ -904,8 +905,51 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
         return res.zero_()
     plan, width = _plan(dy.shape[0])
     n = _threads(topo.nnz * width)
-    split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
     with torch.no_grad(), _parallel_lock(n):
-        _sddmm_kernel(split, ptr, idx, _tiles(dy, cdtype, plan, width, n > 1), _tiles(x, cdtype, plan, width, n > 1),
-                      x.shape[1], buf.detach().numpy(), plan, n > 1)
+        _sddmm_run(_tiles(dy, cdtype, plan, width, n > 1), _tiles(x, cdtype, plan, width, n > 1), topo, plan, n, buf)
     return _finish(res, buf)
+
+
+def _sddmm_run(gsrc, xsrc, topo: Topology, plan, n: int, buf: torch.Tensor) -> None:
+    """dv into buf (nnz,) from gsrc = dY^T and xsrc = X^T in tiles; under _parallel_lock(n)."""
+    split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
+    _sddmm_kernel(split, ptr, idx, gsrc, xsrc, topo.shape[1], buf.detach().numpy(), plan, n > 1)
+
+
+def fuses_backward(batch: int, topo: Topology) -> bool:
+    """True where `spmm_t_sddmm` saves work over spmm_t and sddmm: from B = 2 (B = 1 copies
+    nothing), on a topology with connections."""
+    return batch > 1 and topo.nnz > 0
+
+
+def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torch.Tensor, *,
+                 bias_grad: bool = False):
+    """The backward of Y = X W^T (+ b) on the CPU: (dX, dv), or (dX, dv, db) with bias_grad=True,
+    db = dY.sum(0). The same bits as spmm_t and sddmm, with dY copied into its tiles once for both.
+
+    Args as `spmm_t` and `sddmm` (dy (B, out), x (B, in), values (nnz,), all of dy's dtype)."""
+    _check_topo(topo)
+    _check_dense("dy", dy, topo.shape[0], "out = topo.shape[0]")
+    _check_dense("x", x, topo.shape[1], "in = topo.shape[1]")
+    if x.dtype != dy.dtype:
+        raise TypeError(f"x must have dy's dtype {dy.dtype}, got {x.dtype}")
+    if x.shape[0] != dy.shape[0]:
+        raise ValueError(f"x and dy must have the same batch size, got x {tuple(x.shape)} and dy {tuple(dy.shape)}")
+    _check_values(values, topo, dy.dtype)
+    if topo.nnz == 0 or dy.shape[0] == 0 or 0 in topo.shape:
+        dx, dv = spmm_t(dy, topo, values), sddmm(dy, x, topo)
+    else:
+        dtype = dy.dtype
+        cdtype = _compute_dtype(dtype)
+        dx, dx_buf = _result(None, (dy.shape[0], topo.shape[1]), dtype, cdtype)
+        dv, dv_buf = _result(None, (topo.nnz,), dtype, cdtype)
+        plan, width = _plan(dy.shape[0])
+        n = _threads(topo.nnz * width)
+        with torch.no_grad(), _parallel_lock(n):
+            gsrc = _tiles(dy, cdtype, plan, width, n > 1)
+            _spmm_t_run(gsrc, topo, values, cdtype, plan, n, dx_buf)
+            _sddmm_run(gsrc, _tiles(x, cdtype, plan, width, n > 1), topo, plan, n, dv_buf)
+        dx, dv = _finish(dx, dx_buf), _finish(dv, dv_buf)
+    if bias_grad:
+        return dx, dv, dy.detach().sum(0)
+    return dx, dv

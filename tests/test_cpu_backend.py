@@ -241,6 +241,31 @@ def test_sddmm_sums_in_a_fixed_tree_per_batch_tile(gen, mode, dtype):
         assert torch.equal(got, want), B
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_in_one_call_gives_the_bits_of_the_two_ops(gen, mode, dtype):
+    """spmm_t_sddmm (dY tiled once for dX and dv) returns what spmm_t and sddmm return, bit for
+    bit, at batch widths on both sides of the transposed dX, with and without the bias gradient,
+    and for the empty cases; fuses_backward says where it is worth calling."""
+    for out_f, in_f, density in ((45, 67, 0.2), (7, 300, 0.05), (30, 4, 1.0), (6, 5, 0.0)):
+        coo, _, _ = make(gen, out_f, in_f, 1, density, dtype)
+        t, v = coo.topology, coo.values
+        for B in (0, 1, 2, 9, 17, 40, 70, 130):
+            dy = torch.randn(B, out_f, generator=gen).to(dtype)
+            x = torch.randn(B, in_f, generator=gen).to(dtype)
+            dx, dv, db = cpu.spmm_t_sddmm(dy, x, t, v, bias_grad=True)
+            assert torch.equal(dx, cpu.spmm_t(dy, t, v)) and torch.equal(dv, cpu.sddmm(dy, x, t)), (B, out_f)
+            assert torch.equal(db, dy.sum(0))
+            pair = cpu.spmm_t_sddmm(dy, x, t, v)
+            assert len(pair) == 2 and torch.equal(pair[0], dx) and torch.equal(pair[1], dv)
+            assert cpu.fuses_backward(B, t) == (B > 1 and t.nnz > 0)
+    with pytest.raises(ValueError, match=r"same batch size"):
+        cpu.spmm_t_sddmm(dy, x[:3], t, v)
+    with pytest.raises(TypeError, match=r"x must have dy's dtype"):
+        cpu.spmm_t_sddmm(dy, x.to(torch.float64 if dtype != torch.float64 else torch.float32), t, v)
+    with pytest.raises(ValueError, match=r"values must"):
+        cpu.spmm_t_sddmm(dy, x, t, v[:-1] if t.nnz else torch.ones(1, dtype=dtype))
+
+
 def test_parallel_threshold():
     """A large call is split into parallel tasks, a small one runs on the calling thread."""
     if torch.get_num_threads() < 2:
@@ -303,6 +328,8 @@ def test_bad_topology_rejected_before_any_kernel(bad, match):
         cpu.spmm_t(torch.randn(2, 6), topo, torch.ones(2))
     with pytest.raises(ValueError, match=match):
         cpu.sddmm(torch.randn(2, 6), torch.randn(2, 8), topo)
+    with pytest.raises(ValueError, match=match):
+        cpu.spmm_t_sddmm(torch.randn(2, 6), torch.randn(2, 8), topo, torch.ones(2))
 
 
 def test_bad_inputs_spmm_t_and_sddmm(small):
