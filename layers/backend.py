@@ -4,7 +4,7 @@
     spmm_t(dy, topo, values, out=None) dy (B, out) contiguous -> dX (B, in) = dY W
     sddmm(dy, x, topo, out=None)       -> dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
     sddmm(dy, x, topo, bias_grad=True) -> (dv, db), db (out,) = sum_b dY[b, :] (one launch on the GPU)
-    backward(dy, x, topo, values, bias_grad) -> (dX, dv, db or None) in one launch where the
+    backward(dy, x, topo, values, bias_grad) -> (dX, dv, db or None) in one call where the
                                        backend fuses them (`fuses_backward`), else None
 
 with W = topo.shape = (out, in) a canonical row-major `snack.core.Topology` and values (nnz,).
@@ -319,9 +319,10 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torch.Tensor, bias_grad: bool = False):
-    """(dX, dv, db) (db None unless bias_grad) from one fused launch when dy's backend fuses the
-    backward for this batch and matrix (the GPU kernels from B = 9 to 32 on matrices up to 25%
-    dense: `snack.gpu.fuses_backward`), else None: the caller then uses spmm_t and sddmm."""
+    """(dX, dv, db) (db None unless bias_grad) from one call when dy's backend fuses the backward
+    for this batch and matrix (the GPU kernels: one launch from B = 9 to 32 on matrices up to 25%
+    dense, `snack.gpu.fuses_backward`; the CPU backend from B = 2: dY copied into its tiles once,
+    `snack.core.cpu.fuses_backward`), else None: the caller then uses spmm_t and sddmm."""
     b = _backend(dy)
     if b.fuses_backward is None or topo.nnz == 0 or not b.fuses_backward(dy.shape[0], topo):
         return None

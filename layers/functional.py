@@ -5,7 +5,8 @@ The autograd Function builds every gradient from the same three backend ops:
     backward  dX = spmm_t(dY, W)      dv = sddmm(dY, X, W)      db = sum_b dY
 (on the GPU db comes from the SDDMM's launch, which reads dY anyway; a GEMV when only db is wanted;
 where the GPU backend fuses the backward (9 <= B <= 32 on matrices up to 25% dense:
-`snack.gpu.fuses_backward`) dX, dv and db come from one launch)
+`snack.gpu.fuses_backward`) dX, dv and db come from one launch; the CPU backend's one call from
+B = 2 copies dY into its tiles once for both)
 so nothing of the dense weight's size (out x in) is allocated, in forward or in backward.
 Higher orders: when the backward is itself differentiated (create_graph=True: gradient penalties,
 Hessian-vector products) or a torch.func transform runs, dX and dv come from the Functions
