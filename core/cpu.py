@@ -3,6 +3,8 @@
     spmm(x, topo, values)    Y  (B, out) = X W^T     Y[b, r]  = sum_k v_k X[b, c_k]
     spmm_t(dy, topo, values) dX (B, in)  = dY W      dX[b, c] = sum_k v_k dY[b, r_k]
     sddmm(dy, x, topo)       dv (nnz,)               dv_k     = sum_b dY[b, r_k] X[b, c_k]
+    spmm_t_sddmm(dy, x, topo, values, bias_grad=False)  (dX, dv[, db]): the backward in one call,
+                             dY copied into its tiles once (the layers use it from B = 2)
 
 Design: the batch is moved to the fast axis. X (B, in) is copied once per call into X^T, cut
 into tiles of 8, 16, 32 or 64 batch columns (zero-padded) and stored tile-major: tile t is an
