@@ -15,7 +15,9 @@ in four 512-bit registers while a row's non-zeros stream by, one vector FMA per 
 non-zero. (Numba's own loop vectoriser keeps a short accumulator array in memory, and the
 store/reload round trip per non-zero then makes the loop about 1.6x slower.)
 - SpMM walks CSR order (`topo.row_ptr`, `topo.cols`); rows' results are staged 16 rows at a time
-  and written to Y (B, out) as contiguous runs. B = 1 is a dot product with four partial sums.
+  and written to Y (B, out) as contiguous runs. B = 1 is a dot product taking 8 non-zeros per
+  step (one gather of their x values, 8 partial sums); dX and the SDDMM at B = 1 gather 8 at a
+  time too (dX scatters its 8 updated sums back: a row's columns are distinct).
   Parallel tasks: (chunk of rows of equal nnz, batch tile).
 - dX = dY W, for B <= 16, also walks CSR order, so no permuted copy of the values (a random
   gather of all nnz per call) is needed: dX^T[c, :] += v_k dY^T[r_k, :], each task owning a range
@@ -176,6 +178,112 @@ def _vfma(typingctx, acc, s, x):
     return acc(acc, s, x), codegen
 
 
+def _halves(builder, v, n):
+    """v (a vector of >= n lanes) summed pairwise as lo + hi halves down to n lanes."""
+    i32 = ir.IntType(32)
+    while v.type.count > n:
+        h = v.type.count // 2
+        undef = ir.Constant(v.type, ir.Undefined)
+        lo = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, h), list(range(h))))
+        hi = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, h), list(range(h, 2 * h))))
+        v = builder.fadd(lo, hi)
+    return v
+
+
+def _lane_ptrs(context, builder, arrty, arr, iv, n):
+    """<n x ptr> to arr[iv[0]], ..., arr[iv[n - 1]] (iv: <n x i32>)."""
+    data = context.make_array(arrty)(context, builder, arr).data
+    i64 = ir.IntType(64)
+    v64 = ir.VectorType(i64, n)
+    undef = ir.Constant(v64, ir.Undefined)
+    base = builder.shuffle_vector(builder.insert_element(undef, builder.ptrtoint(data, i64), ir.Constant(ir.IntType(32), 0)),
+                                  undef, ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+    size = context.get_abi_sizeof(context.get_value_type(arrty.dtype))
+    off = builder.mul(builder.sext(iv, v64), ir.Constant(v64, [size] * n))
+    return builder.inttoptr(builder.add(base, off), ir.VectorType(data.type, n))
+
+
+def _gather_scatter_fn(builder, name, vt, ptrs, args):
+    suffix = f"v{vt.count}f{64 if vt.element == ir.DoubleType() else 32}.v{vt.count}p0"
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(*args), f"llvm.masked.{name}.{suffix}")
+
+
+@intrinsic
+def _vgather(typingctx, arr, iv):
+    """(arr[iv[0]], ..., arr[iv[n - 1]]) as a _Vec; iv a _Vec of int32 indices; no bounds check
+    (one gather instruction where the CPU has one, else n loads)."""
+    if not (isinstance(iv, _Vec) and iv.dtype == types.int32):
+        return None
+    vec = _Vec(arr.dtype, iv.n)
+
+    def codegen(context, builder, sig, args):
+        vt = context.get_value_type(vec)
+        ptrs = _lane_ptrs(context, builder, sig.args[0], args[0], args[1], iv.n)
+        mask = ir.VectorType(ir.IntType(1), iv.n)
+        fn = _gather_scatter_fn(builder, "gather", vt, ptrs, (vt, [ptrs.type, ir.IntType(32), mask, vt]))
+        align = ir.Constant(ir.IntType(32), context.get_abi_sizeof(vt.element))
+        return builder.call(fn, [ptrs, align, ir.Constant(mask, [1] * iv.n), ir.Constant(vt, ir.Undefined)])
+    return vec(arr, iv), codegen
+
+
+@intrinsic
+def _vscatter(typingctx, arr, iv, v):
+    """arr[iv[i]] = v[i] for each lane i (indices distinct); no bounds check."""
+    if not (isinstance(iv, _Vec) and iv.dtype == types.int32 and isinstance(v, _Vec) and v.n == iv.n):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vt = args[2].type
+        ptrs = _lane_ptrs(context, builder, sig.args[0], args[0], args[1], iv.n)
+        mask = ir.VectorType(ir.IntType(1), iv.n)
+        fn = _gather_scatter_fn(builder, "scatter", vt, ptrs, (ir.VoidType(), [vt, ptrs.type, ir.IntType(32), mask]))
+        align = ir.Constant(ir.IntType(32), context.get_abi_sizeof(vt.element))
+        builder.call(fn, [args[2], ptrs, align, ir.Constant(mask, [1] * iv.n)])
+        return context.get_dummy_value()
+    return types.none(arr, iv, v), codegen
+
+
+@intrinsic
+def _vfmav(typingctx, acc, a, b):
+    """acc + a * b, element by element (one fused multiply-add), a and b _Vecs."""
+    if not (isinstance(acc, _Vec) and acc == a and acc == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vt = args[0].type
+        suffix = f"v{vt.count}f{64 if vt.element == ir.DoubleType() else 32}"
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.{suffix}")
+        return builder.call(fma, [args[1], args[2], args[0]])
+    return acc(acc, a, b), codegen
+
+
+@intrinsic
+def _vscale(typingctx, v, s):
+    """v * s, element by element, s a scalar."""
+    if not isinstance(v, _Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vt = args[0].type
+        sc = context.cast(builder, args[1], sig.args[1], sig.args[0].dtype)
+        undef = ir.Constant(vt, ir.Undefined)
+        lane = builder.insert_element(undef, sc, ir.Constant(ir.IntType(32), 0))
+        splat = builder.shuffle_vector(lane, undef, ir.Constant(ir.VectorType(ir.IntType(32), vt.count), [0] * vt.count))
+        return builder.fmul(args[0], splat)
+    return v(v, s), codegen
+
+
+@intrinsic
+def _vsum(typingctx, v):
+    """sum(v), summed as a balanced tree of halves (fixed order)."""
+    if not isinstance(v, _Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(_halves(builder, args[0], 1), ir.Constant(ir.IntType(32), 0))
+    return v.dtype(v), codegen
+
+
 # ---- kernels ----------------------------------------------------------------------------------
 # Every kernel argument is a C-contiguous numpy view of a CPU tensor:
 #   split  int32 (nchunk + 1,)  first row of each parallel chunk, chunks of about equal nnz
@@ -204,27 +312,26 @@ def _flush(stage, w, n, dst, b0, nb, r):
             dst[b0 + j, r - n + i] = stage[i * w + j]
 
 
+_LANES = 8  # non-zeros per step of the B = 1 kernels (one 8-wide gather of x / dX)
+
+
 @njit(fastmath={"contract"}, inline="always")
 def _rows_one(r0, r1, ptr, idx, vals, src, dst):
-    """dst[0, r] = <row r, x> for B = 1 (src = x): a dot product with four partial sums."""
-    zero = src.dtype.type(0)
+    """dst[0, r] = <row r, x> for B = 1 (src = x): 8 non-zeros per step, their x values by one
+    gather, 8 partial sums (lane i: the row's non-zeros i, i + 8, ...) summed as a tree, then
+    the row's last few added in order."""
     for r in range(r0, r1):
-        s0 = zero
-        s1 = zero
-        s2 = zero
-        s3 = zero
+        acc = _vzeros(src, _LANES)
         k = ptr[r]
         k1 = ptr[r + 1]
-        while k + 4 <= k1:
-            s0 += vals[k] * src[idx[k]]
-            s1 += vals[k + 1] * src[idx[k + 1]]
-            s2 += vals[k + 2] * src[idx[k + 2]]
-            s3 += vals[k + 3] * src[idx[k + 3]]
-            k += 4
+        while k + _LANES <= k1:
+            acc = _vfmav(acc, _vload(vals, k, _LANES), _vgather(src, _vload(idx, k, _LANES)))
+            k += _LANES
+        s = _vsum(acc)
         while k < k1:
-            s0 += vals[k] * src[idx[k]]
+            s += vals[k] * src[idx[k]]
             k += 1
-        dst[0, r] = (s0 + s1) + (s2 + s3)
+        dst[0, r] = s
 
 
 def _make_rows(w):
@@ -294,22 +401,15 @@ def _spmm_kernel(split, ptr, idx, vals, src, m, dst, plan, parallel):
 # the thread count, and no copy of the values in column order is made.
 @njit(fastmath={"contract"}, inline="always")
 def _scatter_one(k0, k1, idx, vals, g, part):
-    # a row's columns are distinct, so four loads may go before the four stores
+    """part[c_k] += v_k g for k in k0 .. k1 - 1 (one row's run): a row's columns are distinct, so
+    8 of them at a time are gathered, updated and scattered back; each part[c] still gets its
+    rows' products one by one in row order, each rounded before the add as the scalar loop
+    below does (the same bits as one at a time)."""
     k = k0
-    while k + 4 <= k1:
-        c0 = idx[k]
-        c1 = idx[k + 1]
-        c2 = idx[k + 2]
-        c3 = idx[k + 3]
-        p0 = part[c0]
-        p1 = part[c1]
-        p2 = part[c2]
-        p3 = part[c3]
-        part[c0] = p0 + vals[k] * g
-        part[c1] = p1 + vals[k + 1] * g
-        part[c2] = p2 + vals[k + 2] * g
-        part[c3] = p3 + vals[k + 3] * g
-        k += 4
+    while k + _LANES <= k1:
+        iv = _vload(idx, k, _LANES)
+        _vscatter(part, iv, _vadd(_vgather(part, iv), _vscale(_vload(vals, k, _LANES), g)))
+        k += _LANES
     while k < k1:
         part[idx[k]] += vals[k] * g
         k += 1
@@ -406,30 +506,9 @@ def _vdot(typingctx, a, b):
         return None
 
     def codegen(context, builder, sig, args):
-        v = builder.fmul(args[0], args[1])
-        n = v.type.count
-        undef = ir.Constant(v.type, ir.Undefined)
-        while n > 1:
-            n //= 2
-            i32 = ir.IntType(32)
-            lo = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, n), list(range(n))))
-            hi = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, n), list(range(n, 2 * n))))
-            v = builder.fadd(lo, hi)
-            undef = ir.Constant(v.type, ir.Undefined)
+        v = _halves(builder, builder.fmul(args[0], args[1]), 1)
         return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
     return a.dtype(a, b), codegen
-
-
-def _halves(builder, v, n):
-    """v (a vector of >= n lanes) summed pairwise as lo + hi halves down to n lanes."""
-    i32 = ir.IntType(32)
-    while v.type.count > n:
-        h = v.type.count // 2
-        undef = ir.Constant(v.type, ir.Undefined)
-        lo = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, h), list(range(h))))
-        hi = builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(i32, h), list(range(h, 2 * h))))
-        v = builder.fadd(lo, hi)
-    return v
 
 
 @intrinsic
@@ -513,10 +592,16 @@ def _sddmm_task(ch, split, ptr, idx, dyt, xt, n_in, dv, plan):
         elif w == 8:
             _sddmm8(r0, r1, ptr, idx, dyt, b0 * n_out, xt, b0 * n_in, dv, first)
         else:
-            for r in range(r0, r1):
+            for r in range(r0, r1):  # B = 1: dv_k = dy[r] x[c_k], 8 x values per gather
                 g = dyt[r]
-                for k in range(ptr[r], ptr[r + 1]):
+                k = ptr[r]
+                k1 = ptr[r + 1]
+                while k + _LANES <= k1:
+                    _vstore(dv, k, _vscale(_vgather(xt, _vload(idx, k, _LANES)), g))
+                    k += _LANES
+                while k < k1:
                     dv[k] = g * xt[idx[k]]
+                    k += 1
 
 
 @njit(parallel=True, cache=True, nogil=True)

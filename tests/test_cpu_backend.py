@@ -266,6 +266,34 @@ def test_backward_in_one_call_gives_the_bits_of_the_two_ops(gen, mode, dtype):
         cpu.spmm_t_sddmm(dy, x, t, v[:-1] if t.nnz else torch.ones(1, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_single_sample_ops_with_gathers(gen, mode, dtype):
+    """B = 1 takes 8 non-zeros of a row per step (gathers of x, and of dX's scratch with a
+    scatter back): rows of 0-25 non-zeros, around the steps of 8. dX gets each column's products
+    added one by one in row order, each rounded first, and the SDDMM one product per non-zero:
+    the same bits as that order written in torch; the forward is within float rounding of
+    float64."""
+    lengths = (0, 1, 7, 8, 9, 15, 16, 17, 24, 25, 3, 8)
+    n_in = 40
+    cols = [torch.randperm(n_in, generator=gen)[:n].sort().values for n in lengths]
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    idx = torch.stack([rows, torch.cat(cols)])
+    topo = Topology(idx, (len(lengths), n_in))
+    v = torch.randn(idx.shape[1], generator=gen, dtype=dtype)
+    x = torch.randn(1, n_in, generator=gen, dtype=dtype)
+    dy = torch.randn(1, len(lengths), generator=gen, dtype=dtype)
+    want_dx = torch.zeros(n_in, dtype=dtype)
+    k = 0
+    for r, n in enumerate(lengths):
+        want_dx[idx[1, k:k + n]] = want_dx[idx[1, k:k + n]] + v[k:k + n] * dy[0, r]
+        k += n
+    assert torch.equal(cpu.spmm_t(dy, topo, v, out=torch.full((1, n_in), float("nan"), dtype=dtype))[0], want_dx)
+    assert torch.equal(cpu.sddmm(dy, x, topo, out=torch.full((idx.shape[1],), float("nan"), dtype=dtype)),
+                       dy[0, idx[0]] * x[0, idx[1]])
+    y = cpu.spmm(x, topo, v, out=torch.full((1, len(lengths)), float("nan"), dtype=dtype))
+    assert_close_dtype(y, spmm_reference(x.double(), idx, v.double(), len(lengths)))
+
+
 def test_parallel_threshold():
     """A large call is split into parallel tasks, a small one runs on the calling thread."""
     if torch.get_num_threads() < 2:
