@@ -46,13 +46,13 @@ on first use (about 30 s for both dtypes) and cached on disk (`cache=True`): one
 specialisation per op and dtype.
 
 Speed, 4096 x 4096 at 90% sparsity (nnz = 1.68 M), float32, 2 cores (Intel Xeon, torch 2.13
-CPU; experiments/bench_cpu.py --rounds 15, results/bench_cpu.csv @ 4d39c9d), against dense torch.mm:
+CPU; experiments/bench_cpu.py --rounds 15, results/bench_cpu.csv @ f08ba1f), against dense torch.mm:
                  B = 1                   B = 32                 B = 128
-    forward      0.88 ms vs 1.27 (1.44x) 1.38 vs 6.44 (4.7x)    4.84 vs 16.29 (3.4x)
-    dX           1.33 vs 1.33 (1.00x)    2.07 vs 5.85 (2.8x)    5.97 vs 15.55 (2.6x)
-    SDDMM        0.91 vs 1.75 (1.9x)     1.75 vs 3.63 (2.1x)    6.41 vs 16.44 (2.6x)
-(SDDMM against the dense weight gradient dY^T X.) torch's MKL CSR matmul takes 1.35 / 2.04 /
-8.34 ms for the forward. Medians of calls including the Python overhead and the X^T copy, every
+    forward      0.31 ms vs 1.29 (4.1x)  1.35 vs 6.03 (4.5x)    4.23 vs 14.75 (3.5x)
+    dX           0.95 vs 1.24 (1.3x)     1.94 vs 5.54 (2.9x)    5.14 vs 14.14 (2.8x)
+    SDDMM        0.31 vs 1.42 (4.6x)     1.66 vs 3.27 (2.0x)    6.16 vs 14.96 (2.4x)
+(SDDMM against the dense weight gradient dY^T X.) torch's MKL CSR matmul takes 1.33 / 1.76 /
+7.10 ms for the forward. Medians of calls including the Python overhead and the X^T copy, every
 output (SNACK's and dense's) allocated once, on a shared virtual machine (run-to-run spread
 10-30%).
 """
