@@ -294,6 +294,23 @@ def test_single_sample_ops_with_gathers(gen, mode, dtype):
     assert_close_dtype(y, spmm_reference(x.double(), idx, v.double(), len(lengths)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_forward_of_a_few_samples_is_each_samples_own(gen, mode, dtype):
+    """Up to cpu._FEW_MAX samples the forward gathers from X as it is, sample by sample: each
+    output row has the bits of that sample's B = 1 call, for X of any strides; and it is the
+    product within float rounding."""
+    coo, _, _ = make(gen, 23, 90, 1, 0.4, dtype)
+    t, v = coo.topology, coo.values
+    for B in range(1, cpu._FEW_MAX + 2):
+        base = torch.randn(B, 95, generator=gen).to(dtype)
+        for x in (base[:, :90], base[:, 5:].t().contiguous().t(), base[:, :90].contiguous()):
+            y = cpu.spmm(x, t, v, out=torch.full((B, 23), float("nan"), dtype=dtype))
+            if B <= cpu._FEW_MAX:
+                for j in range(B):
+                    assert torch.equal(y[j], cpu.spmm(x[j:j + 1].clone(), t, v)[0]), (B, j, x.stride())
+            assert_close_dtype(y, spmm_reference(x.double(), coo.indices, v.double(), 23))
+
+
 def test_parallel_threshold():
     """A large call is split into parallel tasks, a small one runs on the calling thread."""
     if torch.get_num_threads() < 2:
