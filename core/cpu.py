@@ -316,7 +316,8 @@ def _flush(stage, w, n, dst, b0, nb, r):
 _LANES = 8  # non-zeros per step of the gathering kernels (one 8-wide gather of x / dX)
 # Forward batches up to this size read X as it is, by gathers per sample (_rows_few): at 4096 x
 # 4096, 90%, B = 2 / 3 took 0.44 / 0.69 ms instead of 0.98 / 1.01 through a zero-padded 8-wide
-# tile; at B = 4 both took 1.0 ms
+# tile; at B = 4 both took 1.0 ms. The SDDMM too (B = 2 / 3: 0.37 / 0.57 ms instead of 0.74 /
+# 0.76). At least 1: B = 1 has no tiled path.
 _FEW_MAX = 3
 
 
@@ -609,19 +610,65 @@ def _sddmm_task(ch, split, ptr, idx, dyt, xt, n_in, dv, plan):
             _sddmm32(r0, r1, ptr, idx, dyt, b0 * n_out, xt, b0 * n_in, dv, first)
         elif w == 16:
             _sddmm16(r0, r1, ptr, idx, dyt, b0 * n_out, xt, b0 * n_in, dv, first)
-        elif w == 8:
-            _sddmm8(r0, r1, ptr, idx, dyt, b0 * n_out, xt, b0 * n_in, dv, first)
         else:
-            for r in range(r0, r1):  # B = 1: dv_k = dy[r] x[c_k], 8 x values per gather
-                g = dyt[r]
-                k = ptr[r]
-                k1 = ptr[r + 1]
-                while k + _LANES <= k1:
-                    _vstore(dv, k, _vscale(_vgather(xt, _vload(idx, k, _LANES)), g))
-                    k += _LANES
-                while k < k1:
-                    dv[k] = g * xt[idx[k]]
-                    k += 1
+            _sddmm8(r0, r1, ptr, idx, dyt, b0 * n_out, xt, b0 * n_in, dv, first)
+
+
+@njit(inline="always")
+def _sddmm_few_rows(r0, r1, ptr, idx, dy, x, dv):
+    """dv_k = sum_j dy[j, r_k] x[j, c_k] for the few samples j (B <= _FEW_MAX; dy, x as they
+    are, rows contiguous), 8 non-zeros per step by gathers of x[j]. The products are added as
+    the 8-wide tile's tree adds them (B = 2: p0 + p1, B = 3: (p0 + p2) + p1), so the bits are
+    those of the tiled kernel."""
+    B = x.shape[0]
+    x0 = x[0]
+    for r in range(r0, r1):
+        g0 = dy[0, r]
+        k = ptr[r]
+        k1 = ptr[r + 1]
+        if B == 1:
+            while k + _LANES <= k1:
+                _vstore(dv, k, _vscale(_vgather(x0, _vload(idx, k, _LANES)), g0))
+                k += _LANES
+            while k < k1:
+                dv[k] = g0 * x0[idx[k]]
+                k += 1
+        elif B == 2:
+            x1 = x[1]
+            g1 = dy[1, r]
+            while k + _LANES <= k1:
+                iv = _vload(idx, k, _LANES)
+                _vstore(dv, k, _vadd(_vscale(_vgather(x0, iv), g0), _vscale(_vgather(x1, iv), g1)))
+                k += _LANES
+            while k < k1:
+                dv[k] = g0 * x0[idx[k]] + g1 * x1[idx[k]]
+                k += 1
+        else:
+            x1 = x[1]
+            x2 = x[2]
+            g1 = dy[1, r]
+            g2 = dy[2, r]
+            while k + _LANES <= k1:
+                iv = _vload(idx, k, _LANES)
+                p02 = _vadd(_vscale(_vgather(x0, iv), g0), _vscale(_vgather(x2, iv), g2))
+                _vstore(dv, k, _vadd(p02, _vscale(_vgather(x1, iv), g1)))
+                k += _LANES
+            while k < k1:
+                c = idx[k]
+                p02 = g0 * x0[c] + g2 * x2[c]
+                dv[k] = p02 + g1 * x1[c]
+                k += 1
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _sddmm_few_kernel(split, ptr, idx, dy, x, dv, parallel):
+    """dv for B <= _FEW_MAX from dy (B, out) and x (B, in) as they are; tasks = row chunks."""
+    if parallel:
+        for ch in prange(split.shape[0] - 1):
+            _sddmm_few_rows(split[ch], split[ch + 1], ptr, idx, dy, x, dv)
+    else:
+        for ch in range(split.shape[0] - 1):
+            _sddmm_few_rows(split[ch], split[ch + 1], ptr, idx, dy, x, dv)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1027,14 +1074,21 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
     plan, width = _plan(dy.shape[0])
     n = _threads(topo.nnz * width)
     with torch.no_grad(), _parallel_lock(n):
-        _sddmm_run(_tiles(dy, cdtype, plan, width, n > 1), _tiles(x, cdtype, plan, width, n > 1), topo, plan, n, buf)
+        _sddmm_run(dy, x, None, topo, cdtype, plan, width, n, buf)
     return _finish(res, buf)
 
 
-def _sddmm_run(gsrc, xsrc, topo: Topology, plan, n: int, buf: torch.Tensor) -> None:
-    """dv into buf (nnz,) from gsrc = dY^T and xsrc = X^T in tiles; under _parallel_lock(n)."""
+def _sddmm_run(dy, x, gsrc, topo: Topology, cdtype, plan, width: int, n: int, buf: torch.Tensor) -> None:
+    """dv into buf (nnz,) from dy and x: B <= _FEW_MAX from them as they are, else from their
+    tiles (gsrc: dY's, if already made); under _parallel_lock(n)."""
     split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
-    _sddmm_kernel(split, ptr, idx, gsrc, xsrc, topo.shape[1], buf.detach().numpy(), plan, n > 1)
+    if dy.shape[0] <= _FEW_MAX:
+        _sddmm_few_kernel(split, ptr, idx, _rows(dy, cdtype), _rows(x, cdtype), buf.detach().numpy(), n > 1)
+        return
+    if gsrc is None:
+        gsrc = _tiles(dy, cdtype, plan, width, n > 1)
+    _sddmm_kernel(split, ptr, idx, gsrc, _tiles(x, cdtype, plan, width, n > 1), topo.shape[1],
+                  buf.detach().numpy(), plan, n > 1)
 
 
 def fuses_backward(batch: int, topo: Topology) -> bool:
@@ -1069,7 +1123,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
         with torch.no_grad(), _parallel_lock(n):
             gsrc = _tiles(dy, cdtype, plan, width, n > 1)
             _spmm_t_run(gsrc, topo, values, cdtype, plan, n, dx_buf)
-            _sddmm_run(gsrc, _tiles(x, cdtype, plan, width, n > 1), topo, plan, n, dv_buf)
+            _sddmm_run(dy, x, gsrc, topo, cdtype, plan, width, n, dv_buf)
         dx, dv = _finish(dx, dx_buf), _finish(dv, dv_buf)
     if bias_grad:
         return dx, dv, dy.detach().sum(0)

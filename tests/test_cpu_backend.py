@@ -311,6 +311,27 @@ def test_forward_of_a_few_samples_is_each_samples_own(gen, mode, dtype):
             assert_close_dtype(y, spmm_reference(x.double(), coo.indices, v.double(), 23))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sddmm_of_a_few_samples_has_the_tiled_kernels_bits(gen, mode, monkeypatch, dtype):
+    """Up to cpu._FEW_MAX samples the SDDMM gathers from dY and X as they are and adds the
+    products in the order of the 8-wide tile's tree: the same bits as the tiled kernel, for
+    inputs of any strides, in the one-call backward too."""
+    coo, _, _ = make(gen, 31, 70, 1, 0.4, dtype)
+    t, v = coo.topology, coo.values
+    for B in range(1, cpu._FEW_MAX + 1):
+        xb = torch.randn(B, 75, generator=gen).to(dtype)
+        dy = torch.randn(B, 31, generator=gen).to(dtype)
+        for x in (xb[:, :70], xb[:, 5:].t().contiguous().t()):
+            got = cpu.sddmm(dy, x, t, out=torch.full((t.nnz,), float("nan"), dtype=dtype))
+            assert torch.equal(cpu.spmm_t_sddmm(dy, x, t, v)[1], got)
+            if B > 1:  # (B = 1 has no tiled path: it is checked in test_single_sample_ops_with_gathers)
+                few = cpu._FEW_MAX
+                monkeypatch.setattr(cpu, "_FEW_MAX", 1)
+                assert torch.equal(cpu.sddmm(dy, x, t), got), (B, x.stride())
+                monkeypatch.setattr(cpu, "_FEW_MAX", few)
+            assert_close_dtype(got, sddmm_reference(dy.double(), x.double(), coo.indices))
+
+
 def test_parallel_threshold():
     """A large call is split into parallel tasks, a small one runs on the calling thread."""
     if torch.get_num_threads() < 2:
