@@ -31,7 +31,8 @@ store/reload round trip per non-zero then makes the loop about 1.6x slower.)
   same order, so both ways give the same bits.
 - SDDMM walks CSR order: per row, the dY^T tile stays in registers and each non-zero adds the
   tree sum of one elementwise product with a gathered X^T tile; 8 non-zeros at a time share the
-  last three levels of their trees (transposing vector adds into one 8-vector of sums).
+  last three levels of their trees (transposing vector adds into one 8-vector of sums). Up to 3
+  samples it reads dY and X as they are, 8 non-zeros per gather, in the same order of adds.
 No two tasks write the same element (no atomics), and every output element is summed in a
 fixed order: results do not depend on the thread count or on whether a call ran in parallel.
 Numba's thread count follows torch.get_num_threads(); calls below about a million
