@@ -159,6 +159,23 @@ def _vzeros(typingctx, like, n):
     return vec(like, n), codegen
 
 
+def _vec_suffix(vt) -> str:
+    """LLVM's name suffix for vector type vt: v8f32, v4f64, ..."""
+    return f"v{vt.count}f{64 if vt.element == ir.DoubleType() else 32}"
+
+
+def _splat(builder, sc, vt):
+    """The scalar sc (already of vt's element type) in every lane of vector type vt."""
+    undef = ir.Constant(vt, ir.Undefined)
+    lane = builder.insert_element(undef, sc, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(lane, undef, ir.Constant(ir.VectorType(ir.IntType(32), vt.count), [0] * vt.count))
+
+
+def _fma_fn(builder, vt):
+    """llvm.fma for vector type vt: fma(a, b, c) = a * b + c, rounded once."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.{_vec_suffix(vt)}")
+
+
 @intrinsic
 def _vfma(typingctx, acc, s, x):
     """acc + s * x, element by element (one fused multiply-add), s a scalar."""
@@ -167,16 +184,8 @@ def _vfma(typingctx, acc, s, x):
 
     def codegen(context, builder, sig, args):
         a, sc, xv = args
-        vt = a.type
-        sc = context.cast(builder, sc, sig.args[1], sig.args[0].dtype)
-        undef = ir.Constant(vt, ir.Undefined)
-        lane = builder.insert_element(undef, sc, ir.Constant(ir.IntType(32), 0))
-        splat = builder.shuffle_vector(lane, undef, ir.Constant(ir.VectorType(ir.IntType(32), vt.count),
-                                                               [0] * vt.count))
-        suffix = f"v{vt.count}f{64 if vt.element == ir.DoubleType() else 32}"
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]),
-                                             f"llvm.fma.{suffix}")
-        return builder.call(fma, [splat, xv, a])
+        splat = _splat(builder, context.cast(builder, sc, sig.args[1], sig.args[0].dtype), a.type)
+        return builder.call(_fma_fn(builder, a.type), [splat, xv, a])
     return acc(acc, s, x), codegen
 
 
@@ -205,9 +214,16 @@ def _lane_ptrs(context, builder, arrty, arr, iv, n):
     return builder.inttoptr(builder.add(base, off), ir.VectorType(data.type, n))
 
 
-def _gather_scatter_fn(builder, name, vt, ptrs, args):
-    suffix = f"v{vt.count}f{64 if vt.element == ir.DoubleType() else 32}.v{vt.count}p0"
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(*args), f"llvm.masked.{name}.{suffix}")
+def _masked_call(context, builder, name, vt, ptrs, lead, tail):
+    """Calls llvm.masked.<name> (gather or scatter) on all lanes of the <n x ptr> ptrs, for
+    elements of vector type vt: arguments lead + (ptrs, alignment, all-true mask) + tail."""
+    i32 = ir.IntType(32)
+    mask = ir.VectorType(ir.IntType(1), vt.count)
+    ret = vt if name == "gather" else ir.VoidType()
+    args = [*lead, ptrs, ir.Constant(i32, context.get_abi_sizeof(vt.element)), ir.Constant(mask, [1] * vt.count), *tail]
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]),
+                                        f"llvm.masked.{name}.{_vec_suffix(vt)}.v{vt.count}p0")
+    return builder.call(fn, args)
 
 
 @intrinsic
@@ -221,10 +237,7 @@ def _vgather(typingctx, arr, iv):
     def codegen(context, builder, sig, args):
         vt = context.get_value_type(vec)
         ptrs = _lane_ptrs(context, builder, sig.args[0], args[0], args[1], iv.n)
-        mask = ir.VectorType(ir.IntType(1), iv.n)
-        fn = _gather_scatter_fn(builder, "gather", vt, ptrs, (vt, [ptrs.type, ir.IntType(32), mask, vt]))
-        align = ir.Constant(ir.IntType(32), context.get_abi_sizeof(vt.element))
-        return builder.call(fn, [ptrs, align, ir.Constant(mask, [1] * iv.n), ir.Constant(vt, ir.Undefined)])
+        return _masked_call(context, builder, "gather", vt, ptrs, (), (ir.Constant(vt, ir.Undefined),))
     return vec(arr, iv), codegen
 
 
@@ -235,12 +248,8 @@ def _vscatter(typingctx, arr, iv, v):
         return None
 
     def codegen(context, builder, sig, args):
-        vt = args[2].type
         ptrs = _lane_ptrs(context, builder, sig.args[0], args[0], args[1], iv.n)
-        mask = ir.VectorType(ir.IntType(1), iv.n)
-        fn = _gather_scatter_fn(builder, "scatter", vt, ptrs, (ir.VoidType(), [vt, ptrs.type, ir.IntType(32), mask]))
-        align = ir.Constant(ir.IntType(32), context.get_abi_sizeof(vt.element))
-        builder.call(fn, [args[2], ptrs, align, ir.Constant(mask, [1] * iv.n)])
+        _masked_call(context, builder, "scatter", args[2].type, ptrs, (args[2],), ())
         return context.get_dummy_value()
     return types.none(arr, iv, v), codegen
 
@@ -252,10 +261,7 @@ def _vfmav(typingctx, acc, a, b):
         return None
 
     def codegen(context, builder, sig, args):
-        vt = args[0].type
-        suffix = f"v{vt.count}f{64 if vt.element == ir.DoubleType() else 32}"
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.{suffix}")
-        return builder.call(fma, [args[1], args[2], args[0]])
+        return builder.call(_fma_fn(builder, args[0].type), [args[1], args[2], args[0]])
     return acc(acc, a, b), codegen
 
 
@@ -266,12 +272,8 @@ def _vscale(typingctx, v, s):
         return None
 
     def codegen(context, builder, sig, args):
-        vt = args[0].type
         sc = context.cast(builder, args[1], sig.args[1], sig.args[0].dtype)
-        undef = ir.Constant(vt, ir.Undefined)
-        lane = builder.insert_element(undef, sc, ir.Constant(ir.IntType(32), 0))
-        splat = builder.shuffle_vector(lane, undef, ir.Constant(ir.VectorType(ir.IntType(32), vt.count), [0] * vt.count))
-        return builder.fmul(args[0], splat)
+        return builder.fmul(args[0], _splat(builder, sc, args[0].type))
     return v(v, s), codegen
 
 
@@ -962,6 +964,16 @@ def _finish(res: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return res
 
 
+def _check_pair(dy, x, topo: Topology) -> None:
+    """dy (B, out) and x (B, in) of W = topo: floating CPU tensors of one dtype and batch size."""
+    _check_dense("dy", dy, topo.shape[0], "out = topo.shape[0]")
+    _check_dense("x", x, topo.shape[1], "in = topo.shape[1]")
+    if x.dtype != dy.dtype:
+        raise TypeError(f"x must have dy's dtype {dy.dtype}, got {x.dtype}")
+    if x.shape[0] != dy.shape[0]:
+        raise ValueError(f"x and dy must have the same batch size, got x {tuple(x.shape)} and dy {tuple(dy.shape)}")
+
+
 def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y = X W^T on the CPU.
@@ -1025,11 +1037,11 @@ def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,
     plan, width = _plan(shape[0])
     n = _threads(topo.nnz * width)
     with torch.no_grad(), _parallel_lock(n):
-        _spmm_t_run(_tiles(dy, cdtype, plan, width, n > 1), topo, values, cdtype, plan, n, buf)
+        _spmm_t_run(_tiles(dy, cdtype, plan, width, n > 1), topo, values, cdtype, plan, width, n, buf)
     return _finish(res, buf)
 
 
-def _spmm_t_run(src, topo: Topology, values, cdtype, plan, n: int, buf: torch.Tensor) -> None:
+def _spmm_t_run(src, topo: Topology, values, cdtype, plan, width: int, n: int, buf: torch.Tensor) -> None:
     """dX into buf (B, in) from src = dY^T in tiles; under the op's _parallel_lock(n)."""
     vals = _vector(values, cdtype)
     if int(plan[:, 0].max()) >= _TRANSPOSED_MIN_WIDTH:  # the SpMM on W^T, values gathered
@@ -1041,7 +1053,7 @@ def _spmm_t_run(src, topo: Topology, values, cdtype, plan, n: int, buf: torch.Te
     # one column range per thread: each range is one more pass over the rows
     _, _, idx = _csr(topo, 1)
     csplit, bounds = _col_bounds(topo, n)
-    part = _empty(topo.shape[1] * int(plan[-1, 0] + plan[-1, 1]), cdtype)
+    part = _empty(topo.shape[1] * width, cdtype)
     _spmm_t_kernel(csplit, bounds, idx, vals, src, part, buf.detach().numpy(), plan, n > 1)
 
 
@@ -1057,12 +1069,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
     Returns dv (nnz,) of dy's dtype, in canonical row-major order.
     """
     _check_topo(topo)
-    _check_dense("dy", dy, topo.shape[0], "out = topo.shape[0]")
-    _check_dense("x", x, topo.shape[1], "in = topo.shape[1]")
-    if x.dtype != dy.dtype:
-        raise TypeError(f"x must have dy's dtype {dy.dtype}, got {x.dtype}")
-    if x.shape[0] != dy.shape[0]:
-        raise ValueError(f"x and dy must have the same batch size, got x {tuple(x.shape)} and dy {tuple(dy.shape)}")
+    _check_pair(dy, x, topo)
     dtype = dy.dtype
     cdtype = _compute_dtype(dtype)
     shape = (topo.nnz,)
@@ -1105,12 +1112,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
 
     Args as `spmm_t` and `sddmm` (dy (B, out), x (B, in), values (nnz,), all of dy's dtype)."""
     _check_topo(topo)
-    _check_dense("dy", dy, topo.shape[0], "out = topo.shape[0]")
-    _check_dense("x", x, topo.shape[1], "in = topo.shape[1]")
-    if x.dtype != dy.dtype:
-        raise TypeError(f"x must have dy's dtype {dy.dtype}, got {x.dtype}")
-    if x.shape[0] != dy.shape[0]:
-        raise ValueError(f"x and dy must have the same batch size, got x {tuple(x.shape)} and dy {tuple(dy.shape)}")
+    _check_pair(dy, x, topo)
     _check_values(values, topo, dy.dtype)
     if topo.nnz == 0 or dy.shape[0] == 0 or 0 in topo.shape:
         dx, dv = spmm_t(dy, topo, values), sddmm(dy, x, topo)
@@ -1123,7 +1125,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
         n = _threads(topo.nnz * width)
         with torch.no_grad(), _parallel_lock(n):
             gsrc = _tiles(dy, cdtype, plan, width, n > 1)
-            _spmm_t_run(gsrc, topo, values, cdtype, plan, n, dx_buf)
+            _spmm_t_run(gsrc, topo, values, cdtype, plan, width, n, dx_buf)
             _sddmm_run(dy, x, gsrc, topo, cdtype, plan, width, n, dv_buf)
         dx, dv = _finish(dx, dx_buf), _finish(dv, dv_buf)
     if bias_grad:
