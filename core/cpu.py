@@ -1080,7 +1080,8 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
     if dy.shape[0] == 0:
         return res.zero_()
     plan, width = _plan(dy.shape[0])
-    n = _threads(topo.nnz * width)
+    # the few-sample path reads B values per non-zero, the tiled one a padded tile's width
+    n = _threads(topo.nnz * (dy.shape[0] if dy.shape[0] <= _FEW_MAX else width))
     with torch.no_grad(), _parallel_lock(n):
         _sddmm_run(dy, x, None, topo, cdtype, plan, width, n, buf)
     return _finish(res, buf)
