@@ -31,6 +31,7 @@ capturable; indices must therefore already be canonical row-major.
 """
 from __future__ import annotations
 
+import gc
 import math
 import types
 from numbers import Integral
@@ -368,8 +369,9 @@ def _apply(x2, values, bias, topo):
 
 
 def settle_autograd(device=None) -> None:
-    """Returns once autograd's worker thread for each CUDA device given has freed the graphs of
-    earlier backward passes that nothing else references. Call it between eager steps and a
+    """Collects Python's reference cycles, then returns once autograd's worker thread for each
+    CUDA device given has freed the graphs of earlier backward passes that nothing else
+    references. Call it between eager steps and a
     `torch.cuda.graph` capture of a training step (before the side-stream warm-up and again
     before the capture).
 
@@ -377,8 +379,16 @@ def settle_autograd(device=None) -> None:
     tensors (the CUDA devices of its parameters / of the tensors), or None for the current CUDA
     device. Autograd has one worker thread per device: give the model's devices.
 
-    Why: autograd frees a finished graph on its device thread, and the node of a Python
-    autograd Function (SparseLinearFunction's) needs the GIL to be freed. For a moment after
+    Why: a finished graph stays alive as long as something references it, and for a moment or
+    for long after `backward()` returns something can. (1) Reference cycles: compiling a Numba
+    CUDA kernel leaves garbage cycles that contain frames of its compiler (hundreds of frames for
+    a few kernels), and through `f_back` they keep alive the frames of the forward or backward
+    that triggered the compile, with every local that call assigned, the output and its graph
+    included, until Python's cyclic collector runs, which depends on allocation counts. On an
+    H100 the capture of a step failed every time in one order of the GPU tests (the eager step
+    before it compiled a kernel variant) and passed with a `gc.collect()` first. (2) Autograd
+    frees a finished graph on its device thread, and the node of a Python autograd Function
+    (SparseLinearFunction's) needs the GIL to be freed. For a moment after
     `backward()` returns, the AccumulateGrad nodes of that pass's leaves (weights, inputs) can
     still be alive, and the next forward then reuses them together with the stream they were
     created on. A capture that reuses one created on the default stream fails: with
@@ -397,11 +407,16 @@ def settle_autograd(device=None) -> None:
     capture up (`with torch.cuda.stream(s)`), so that no node is made on the default stream."""
     if not torch.cuda.is_available():
         _cuda_devices(device, resolve=False)  # (the argument checked all the same)
+        gc.collect()
         return
-    for dev in _cuda_devices(device):
+    devices = _cuda_devices(device)
+    for dev in devices:
         with torch.cuda.device(dev):
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("settle_autograd must be called before the capture, not during it")
+    gc.collect()
+    for dev in devices:
+        with torch.cuda.device(dev):
             with torch.inference_mode(False), torch.enable_grad():
                 t = torch.zeros(1, device=dev, requires_grad=True)
                 (t * 1).sum().backward()

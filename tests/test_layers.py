@@ -4,7 +4,10 @@ and device moves, and input validation. GPU-marked tests compare the same on CUD
 graph capture and under autocast.
 """
 import copy
+import gc
 import math
+import sys
+import weakref
 
 import pytest
 import torch
@@ -841,6 +844,59 @@ def test_settle_autograd_lets_captures_follow_eager_steps():
         got, _graph = _replayed_grads(layer, x, dy)
         for name, a, b in zip(("dx", "dv", "db"), got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} round {i}: {m}")
+
+
+def _step_held_by_a_cycle(layer, x, dy):
+    """layer(x).backward(dy) in a frame that references itself, as the frames a Numba kernel
+    compile leaves in garbage cycles do: the output and its graph outlive the call until the
+    cyclic collector runs. Returns a weak reference to the output."""
+    frame = sys._getframe()  # noqa: F841 (the cycle)
+    y = layer(x)
+    y.backward(dy)
+    return weakref.ref(y)
+
+
+def test_settle_autograd_frees_a_graph_that_a_reference_cycle_holds():
+    """settle_autograd collects reference cycles (with the cyclic collector off, so that nothing
+    else does): the output of an eager step held only by one is gone after the call."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        layer = SparseLinear(30, 20, sparsity=0.5)
+        ref = _step_held_by_a_cycle(layer, torch.randn(4, 30, requires_grad=True), torch.randn(4, 20))
+        assert ref() is not None and ref().grad_fn is not None
+        settle_autograd()
+        assert ref() is None
+    finally:
+        if was:
+            gc.enable()
+
+
+@pytest.mark.gpu
+@cuda
+def test_capture_follows_an_eager_step_that_a_reference_cycle_holds():
+    """An eager step on the default stream whose graph a reference cycle keeps alive (what a
+    kernel compiled during the step leaves), then settle_autograd, warm-up and capture: the
+    capture succeeds (it would reuse the eager pass's AccumulateGrad nodes, made on the default
+    stream, and fail, if the cycle were still there) and replays the eager gradients."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        torch.manual_seed(5)
+        for B in (16, 64):
+            layer = SparseLinear(300, 200, sparsity=0.9, device="cuda")
+            x = torch.randn(B, 300, device="cuda", requires_grad=True)
+            dy = torch.randn(B, 200, device="cuda")
+            ref = _step_held_by_a_cycle(layer, x, dy)
+            assert ref() is not None
+            want = [x.grad.clone(), layer.values.grad.clone(), layer.bias.grad.clone()]
+            got, _graph = _replayed_grads(layer, x, dy)
+            assert ref() is None
+            for name, a, b in zip(("dx", "dv", "db"), got, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} B = {B}: {m}")
+    finally:
+        if was:
+            gc.enable()
 
 
 def test_settle_autograd_arguments():
