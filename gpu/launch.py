@@ -22,6 +22,7 @@ and SNACK_LAUNCH=numba then falls back to the dispatcher.
 """
 from __future__ import annotations
 
+import gc
 import os
 import threading
 
@@ -213,6 +214,7 @@ def _driver_kernel(dispatcher, idx: int, arrays, scalars, device) -> "_DriverKer
     key = _kernel_key(dispatcher, idx, arrays)
     k = _driver_kernels.get(key)
     if k is None:
+        compiled = False
         with _lock:
             k = _driver_kernels.get(key)
             if k is None:
@@ -221,6 +223,14 @@ def _driver_kernel(dispatcher, idx: int, arrays, scalars, device) -> "_DriverKer
                 with cuda.gpus[idx]:  # Numba loads the module into this device's context
                     k = _DriverKernel(dispatcher, sig, len(arrays), len(scalars), device_properties(device)[1])
                 _driver_kernels[key] = k
+                compiled = True
+        if compiled:
+            # Numba's compiler leaves garbage cycles of its frames, which hold (through f_back)
+            # the frames of the call that compiled, e.g. a training step's forward: collected
+            # now, the step's output and autograd graph go when the step is done, not whenever
+            # the cyclic collector next runs (a capture reusing that graph's AccumulateGrad
+            # nodes, made on another stream, fails; see layers.functional.settle_autograd)
+            gc.collect()
     return k
 
 

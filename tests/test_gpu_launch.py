@@ -149,6 +149,46 @@ def test_driver_kernels_are_compiled_per_dtype_of_every_array(monkeypatch):
     assert [str(sig[1].dtype) for sig in made] == ["int32", "uint16"]
 
 
+def test_a_kernel_compile_leaves_no_cycle_holding_the_callers_frame(monkeypatch):
+    # Numba's compiler leaves garbage cycles of its frames, and through f_back they hold the
+    # frames of the call that compiled (a training step's forward, its output and graph): the
+    # first launch of a kernel collects them. Here the fake compile leaves such a cycle, with the
+    # cyclic collector off so that nothing else collects it.
+    import contextlib
+    import gc
+    import sys
+    import weakref
+    from numba import cuda
+    from snack.gpu import launch as L
+
+    class CompilerLikeKernel:
+        def __init__(self, dispatcher, sig, n_arrays, n_scalars, max_smem):
+            cycle = [sys._getframe()]  # garbage once this returns: a list in a cycle with this frame,
+            cycle.append(cycle)        # whose f_back is the caller's
+
+    monkeypatch.setattr(L, "_DriverKernel", CompilerLikeKernel)
+    monkeypatch.setattr(L, "device_properties", lambda device: (1, 0, 0))
+    monkeypatch.setattr(cuda, "gpus", {0: contextlib.nullcontext()}, raising=False)
+    monkeypatch.setattr(L, "_driver_kernels", {})
+
+    def step():
+        x = torch.randn(3, requires_grad=True)
+        L._driver_kernel(object(), 0, [torch.zeros(2)], [], None)  # the first call compiles
+        y = (x * 2).sum()  # assigned after the compile, as a forward's output is
+        return weakref.ref(y)
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        assert step()() is None
+        monkeypatch.setattr(L, "gc", type("NoGC", (), {"collect": staticmethod(lambda: 0)}))
+        monkeypatch.setattr(L, "_driver_kernels", {})
+        assert step()() is not None  # (without the collection the cycle keeps it: the test bites)
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_bfloat16_arrays_compile_as_int16_and_need_no_view_on_the_driver_path(monkeypatch):
     # the driver path hands a bfloat16 tensor over as it is (pointer, size, item size) and the
     # kernel is compiled for its int16 bits; the other paths need the int16 view

@@ -850,7 +850,8 @@ def _step_held_by_a_cycle(layer, x, dy):
     """layer(x).backward(dy) in a frame that references itself, as the frames a Numba kernel
     compile leaves in garbage cycles do: the output and its graph outlive the call until the
     cyclic collector runs. Returns a weak reference to the output."""
-    frame = sys._getframe()  # noqa: F841 (the cycle)
+    cycle = [sys._getframe()]  # a cycle: this frame holds the list, the list this frame
+    cycle.append(cycle)
     y = layer(x)
     y.backward(dy)
     return weakref.ref(y)
