@@ -195,7 +195,7 @@ def test_batch_tiles_from_the_compiled_copy_serial_parallel_and_torch(gen, dtype
     is X^T tile by tile, zero-padded, 64-byte aligned, whatever the batch width and the input's
     strides."""
     other = torch.float64 if dtype == torch.float32 else torch.float32
-    for B, m in ((1, 7), (2, 5), (9, 33), (17, 3), (40, 21), (70, 13), (130, 9), (65, 150)):
+    for B, m in ((1, 7), (2, 5), (9, 33), (17, 3), (40, 21), (70, 13), (130, 9), (65, 150), (64, 64), (33, 136)):
         t = torch.randn(B, m + 3, generator=gen, dtype=dtype)
         views = (t[:, :m], t[:, 3:].t().contiguous().t(), t[:, :m].contiguous(), t[:, :m].to(other),
                  t[::2, :m], t[:1, :m].expand(B, m))
