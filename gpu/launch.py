@@ -224,12 +224,13 @@ def _driver_kernel(dispatcher, idx: int, arrays, scalars, device) -> "_DriverKer
                     k = _DriverKernel(dispatcher, sig, len(arrays), len(scalars), device_properties(device)[1])
                 _driver_kernels[key] = k
                 compiled = True
-        if compiled:
+        if compiled and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             # Numba's compiler leaves garbage cycles of its frames, which hold (through f_back)
             # the frames of the call that compiled, e.g. a training step's forward: collected
             # now, the step's output and autograd graph go when the step is done, not whenever
             # the cyclic collector next runs (a capture reusing that graph's AccumulateGrad
-            # nodes, made on another stream, fails; see layers.functional.settle_autograd)
+            # nodes, made on another stream, fails; see layers.functional.settle_autograd).
+            # Not under capture, where finalizers could make calls a capture does not allow.
             gc.collect()
     return k
 
