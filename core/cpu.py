@@ -15,7 +15,9 @@ in four 512-bit registers while a row's non-zeros stream by, one vector FMA per 
 non-zero. (Numba's own loop vectoriser keeps a short accumulator array in memory, and the
 store/reload round trip per non-zero then makes the loop about 1.6x slower.)
 - SpMM walks CSR order (`topo.row_ptr`, `topo.cols`); rows' results are staged 16 rows at a time
-  and written to Y (B, out) as contiguous runs. Up to 3 samples the forward reads X as it is:
+  and written to Y (B, out) as contiguous runs; in tiles of 8 or 16 batch columns (one or two
+  registers) a row's products go into two chains of FMAs (even and odd non-zeros), so that each
+  FMA need not wait for the one before. Up to 3 samples the forward reads X as it is:
   per row and sample a dot product taking 8 non-zeros per step (one gather of their x values, 8
   partial sums), each sample's result that of its own B = 1 call; dX and the SDDMM at B = 1
   gather 8 at a time too (dX scatters its 8 updated sums back: a row's columns are distinct).
