@@ -115,7 +115,6 @@ class MaxNumel(TorchDispatchMode):
         return out
 
 
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keeps each phase's report on the test item (`item.rep_call`), for the fixture below."""
