@@ -957,7 +957,7 @@ def _tile_task(q, nblk, t, plan, flat):
     nb = plan[ti, 2]
     base = b0 * m
     nbb = nb - nb % _TB
-    cb = c0 + (c1 - c0) - (c1 - c0) % _TB
+    cb = c1 - (c1 - c0) % _TB  # the columns in whole blocks end here
     for j in range(0, nbb, _TB):  # whole blocks of 8 x 8 through registers
         for c in range(c0, cb, _TB):
             _transpose_block(t, b0 + j, c, flat, base + c * w + j, w)

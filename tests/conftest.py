@@ -10,6 +10,8 @@ via --hypothesis-profile) so that the suite stays fast on a 2-core CI machine.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import zlib
 
 import numpy as np
@@ -145,3 +147,16 @@ def _cuda_rng_after_a_failed_capture(request):
             fresh = torch.Generator(device=torch.device("cuda", i))
             fresh.manual_seed(stuck.initial_seed())
             stuck.graphsafe_set_state(fresh.graphsafe_get_state())
+
+
+@contextlib.contextmanager
+def collector_off():
+    """Python's cyclic garbage collector off inside (on again after, if it was): only explicit
+    gc.collect() calls free reference cycles there."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import collector_off
 from snack.gpu.launch import _DriverKernel
 
 
@@ -155,7 +156,6 @@ def test_a_kernel_compile_leaves_no_cycle_holding_the_callers_frame(monkeypatch)
     # first launch of a kernel collects them. Here the fake compile leaves such a cycle, with the
     # cyclic collector off so that nothing else collects it.
     import contextlib
-    import gc
     import sys
     import weakref
     from numba import cuda
@@ -177,16 +177,11 @@ def test_a_kernel_compile_leaves_no_cycle_holding_the_callers_frame(monkeypatch)
         y = (x * 2).sum()  # assigned after the compile, as a forward's output is
         return weakref.ref(y)
 
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         assert step()() is None
         monkeypatch.setattr(L, "gc", type("NoGC", (), {"collect": staticmethod(lambda: 0)}))
         monkeypatch.setattr(L, "_driver_kernels", {})
         assert step()() is not None  # (without the collection the cycle keeps it: the test bites)
-    finally:
-        if was:
-            gc.enable()
 
 
 def test_bfloat16_arrays_compile_as_int16_and_need_no_view_on_the_driver_path(monkeypatch):

@@ -4,7 +4,6 @@ and device moves, and input validation. GPU-marked tests compare the same on CUD
 graph capture and under autocast.
 """
 import copy
-import gc
 import math
 import sys
 import weakref
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 import snack
 from snack import SparseLinear
 
-from conftest import assert_close_dtype, ladder, tolerance
+from conftest import assert_close_dtype, collector_off, ladder, tolerance
 from snack.layers.functional import settle_autograd
 
 F64_ATOL = tolerance(torch.float64)[1]
@@ -860,17 +859,12 @@ def _step_held_by_a_cycle(layer, x, dy):
 def test_settle_autograd_frees_a_graph_that_a_reference_cycle_holds():
     """settle_autograd collects reference cycles (with the cyclic collector off, so that nothing
     else does): the output of an eager step held only by one is gone after the call."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         layer = SparseLinear(30, 20, sparsity=0.5)
         ref = _step_held_by_a_cycle(layer, torch.randn(4, 30, requires_grad=True), torch.randn(4, 20))
         assert ref() is not None and ref().grad_fn is not None
         settle_autograd()
         assert ref() is None
-    finally:
-        if was:
-            gc.enable()
 
 
 @pytest.mark.gpu
@@ -880,9 +874,7 @@ def test_capture_follows_an_eager_step_that_a_reference_cycle_holds():
     kernel compiled during the step leaves), then settle_autograd, warm-up and capture: the
     capture succeeds (it would reuse the eager pass's AccumulateGrad nodes, made on the default
     stream, and fail, if the cycle were still there) and replays the eager gradients."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         torch.manual_seed(5)
         for B in (16, 64):
             layer = SparseLinear(300, 200, sparsity=0.9, device="cuda")
@@ -895,9 +887,6 @@ def test_capture_follows_an_eager_step_that_a_reference_cycle_holds():
             assert ref() is None
             for name, a, b in zip(("dx", "dv", "db"), got, want):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} B = {B}: {m}")
-    finally:
-        if was:
-            gc.enable()
 
 
 def test_settle_autograd_arguments():
