@@ -52,6 +52,16 @@ FULL_MASK = 0xFFFFFFFF
 _SIM = config.ENABLE_CUDASIM
 
 
+# Device functions are inlined into their kernels. `_inlined` leaves that to NVVM (an
+# `alwaysinline` attribute, forceinline=True); `_ir_inlined` copies the function's Numba IR into
+# every call site (inline="always"), which costs compile time (most of a kernel's compile went
+# there) but gave different PTX for a few functions: the loads and conversions of half-precision
+# values (bfloat16 conversions took more instructions) and the wide kernels' quad staging (a
+# bfloat16 transposed SpMM 3-7 % slower at B = 128 on an H100). See gpu/PERFORMANCE.md.
+_inlined = cuda.jit(device=True) if _SIM else cuda.jit(device=True, forceinline=True)
+_ir_inlined = cuda.jit(device=True, inline="always")
+
+
 def _jit(fn, **opts):
     """cuda.jit with compile options (e.g. launch bounds) that the simulator does not take."""
     return cuda.jit(fn) if _SIM else cuda.jit(fn, **opts)
@@ -60,11 +70,11 @@ BATCH_TILES = (1, 2, 4, 8, 16, 32)
 
 
 if _SIM:
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def _loads_before_stores():
         pass  # the simulator has no syncwarp and no instruction scheduling
 else:
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def _loads_before_stores():
         """A warp barrier between a staging round's global loads and its shared-memory stores:
         the compiler cannot move a store above it, so every load of the round is in flight
@@ -117,32 +127,32 @@ else:
         return _types.float32(arr, i, rank), codegen
 
 
-@cuda.jit(device=True, inline="always")
+@_ir_inlined
 def _ld_f32(a, i):
     return a[i]
 
 
-@cuda.jit(device=True, inline="always")
+@_ir_inlined
 def _ld_f16(a, i):
     return float32(a[i])
 
 
-@cuda.jit(device=True, inline="always")
+@_ir_inlined
 def _ld_bf16(a, i):
     return cuda.libdevice.int_as_float(int32(a[i]) << 16)
 
 
-@cuda.jit(device=True, inline="always")
+@_ir_inlined
 def _cv_f32(f):
     return f
 
 
-@cuda.jit(device=True, inline="always")
+@_ir_inlined
 def _cv_f16(f):
     return float16(f)
 
 
-@cuda.jit(device=True, inline="always")
+@_ir_inlined
 def _cv_bf16(f):
     """f (fp32) to bfloat16 bits, rounded to nearest even; a NaN stays a (quiet) NaN of its sign.
     (Rounding the GPU's NaN, 0x7FFFFFFF, by the same addition would carry into the sign bit and
@@ -169,12 +179,12 @@ def _check_bt(bt: int) -> int:
     return 32 // bt
 
 
-@cuda.jit(device=True, inline="always")
+@_inlined
 def _row_count(n_cols):
     return n_cols | 1  # odd row stride: the BT lanes of a group hit BT different banks
 
 
-@cuda.jit(device=True, inline="always")
+@_inlined
 def _bounds(p, i, ok):
     """(p[i], p[i + 1]) when ok, else (0, 0): where row (or row segment) i starts and ends, for a
     warp that may have no row left."""
@@ -186,7 +196,7 @@ def _bounds(p, i, ok):
     return s, e
 
 
-@cuda.jit(device=True, inline="always")
+@_inlined
 def _half(lo, hi, up, off):
     """One stage of a transposing butterfly on a pair of values: lanes with the stage's bit
     (`up`) keep `hi`, the others `lo`; each adds the other one of its partner `off` lanes away."""
@@ -200,7 +210,7 @@ def _make_stage(BT, ld, cols=False):
     COLS = cols
     H = min(BT, 4)  # values per shared-memory store with COLS
 
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def stage(xs, buf, x, b0, batch, n_cols, stride, tid, nthreads):
         """xs[j * stride + c] = X[b0 + j, c] (0 past the batch): a straight copy of BT rows; with
         `cols` (BT >= 2) xs[_col_base(c, BT) ^ j] instead (stride unused): column c's BT batch
@@ -256,7 +266,7 @@ def _make_stage(BT, ld, cols=False):
 def _make_load_step(ld, has_perm):
     HAS_PERM = has_perm
 
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def load_nz(idx, val, perm, k, end):
         """(column, value) of CSR entry k (the value read through perm when has_perm), or (0, 0)
         past the row's end."""
@@ -270,7 +280,7 @@ def _make_load_step(ld, has_perm):
                 v = ld(val, uint32(k))
         return c, v
 
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def load_step(idx, val, perm, k, end):
         """A lane's two non-zeros of a 64-entry warp step (entries k and k + 32):
         (column, value, column, value)."""
@@ -378,7 +388,7 @@ def _spmm_kernel(bt, kind, has_perm, has_bias, idx16, vkind):
     return cuda.jit(spmm)
 
 
-@cuda.jit(device=True, inline="always")
+@_inlined
 def _col_base(c, bt):
     """Where column c's BT staged values start in the lane-owned kernels' layout: c * BT, with
     the two 4-value halves swapped when bit 2 of c is set for BT = 8 (batch column j of column c
@@ -541,7 +551,7 @@ def _own_kernel(bt, kind, has_perm, has_bias, idx16, cols, vkind=None):
 
 
 def _make_tile_out(cv):
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def tile_out(out, acc, i, t, first, last):
         """Element i's part t from one batch tile (a dv entry, a db row): kept in the fp32 acc
         until the last tile, which writes the total to out (the same thread visits the tiles
@@ -686,14 +696,14 @@ def _check_sums(sums: Optional[str], cluster: bool = False):
     return sums == "atomic", sums == "parts"
 
 
-@cuda.jit(device=True, inline="always")
+@_inlined
 def _quad_row(c):
     """Offset of column c's row in the staged chunk with its swizzle bits: c * 32 | (c & 7) * 4.
     Lane k of a group reads its 16-byte chunk k ^ (c & 7) at offset _quad_row(c) ^ 4k."""
     return int32((c << 5) | ((c & 7) << 2))
 
 
-@cuda.jit(device=True, inline="always")
+@_inlined
 def _quad_step(xs, qa, va, src, k4, a0, a1, a2, a3):
     """Group g takes the non-zero (row offset qa, value va) held by lane `src` and adds its
     products with this lane's 4 batch columns 4k..4k+3 (one 16-byte shared-memory read)."""
@@ -703,7 +713,7 @@ def _quad_step(xs, qa, va, src, k4, a0, a1, a2, a3):
     return (a0 + v * xs[p], a1 + v * xs[p + 1], a2 + v * xs[p + 2], a3 + v * xs[p + 3])
 
 
-@cuda.jit(device=True, inline="always")
+@_inlined
 def _quad_step_dot(xs, qa, va, src, k4, a0, a1, a2, a3, x0, x1, x2, x3):
     """_quad_step, and also the dot product of the same 4 staged values with (x0..x3): this
     lane's 4 batch columns of the non-zero's part of an SDDMM."""
@@ -717,7 +727,7 @@ def _quad_step_dot(xs, qa, va, src, k4, a0, a1, a2, a3, x0, x1, x2, x3):
     return a0 + v * d0, a1 + v * d1, a2 + v * d2, a3 + v * d3, (x0 * d0 + x1 * d1) + (x2 * d2 + x3 * d3)
 
 
-@cuda.jit(device=True, inline="always")
+@_inlined
 def _group_sum8(p0, p1, p2, p3, p4, p5, p6, p7, kq):
     """Transposing butterfly over the 8 lanes of a group (lane kq = lane & 7 of the group):
     lane kq returns the group's total of p_kq (7 shuffles for 8 sums; every lane takes part in
@@ -730,7 +740,7 @@ def _group_sum8(p0, p1, p2, p3, p4, p5, p6, p7, kq):
 
 
 def _make_col4(ld):
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def col4(a, bb, width, r, batch, ok):
         """(a[bb + i, r] for i = 0..3), 0 past the batch or when not ok: a lane's 4 batch columns
         of column r of a (batch, width) operand."""
@@ -757,7 +767,7 @@ def _make_xor_perm(width: int):
     permuted by a lane-dependent amount without local memory."""
     W = width
 
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def stage(buf, o, bit, sw):
         """Group i <- group i ^ bit for i = 0..7 when sw, else unchanged."""
         for i in range(8):
@@ -768,7 +778,7 @@ def _make_xor_perm(width: int):
                     buf[o + W * i + e] = b if sw else a
                     buf[o + W * (i | bit) + e] = a if sw else b
 
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def perm(buf, o, u):
         stage(buf, o, 1, (u & 1) != 0)
         stage(buf, o, 2, (u & 2) != 0)
@@ -783,7 +793,7 @@ _xor_perm_quads = _make_xor_perm(4)  # quad i (buf[o + 4i .. o + 4i + 3]) <- qua
 def _make_stage_quad(ld, plain=False):
     PLAIN = plain
 
-    @cuda.jit(device=True, inline="always")
+    @_ir_inlined
     def stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads):
         """xs[cl * 32 + 4 * ((j >> 2) ^ (cl & 7)) + (j & 3)] = X[b0 + j, c0 + cl] (0 past the batch).
 
@@ -955,7 +965,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     stage = _make_stage_quad(ld, plain=own)
     col4 = _make_col4(ld)
 
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def load_nz(idx, val, perm, k, end, c0):
         """(column of entry k, value) for k < end, else (c0, 0). The column's row offset in the
         staged chunk (`_quad_row(column - c0)`) is taken only when the entry is used, so that a
@@ -1312,7 +1322,7 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
     stage = _make_stage_quad(ld)
     col4 = _make_col4(ld)
 
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def part_out(out, acc, i, t):
         """Element i's part t from this block's batch tile (a dv entry, a db row)."""
         if ATOMIC:
@@ -1434,7 +1444,7 @@ def make_adam_kernel(decoupled: bool):
     """
     DECOUPLED = decoupled
 
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def coefficients(s, lr, lb1, lb2):
         """(lr / (1 - b1^s), sqrt(1 - b2^s)) for step count s, from lb = log(b): 1 - b^s =
         -expm1(s log b) in float32 (no cancellation for b near 1; relative error ~1e-7). Every
@@ -1443,7 +1453,7 @@ def make_adam_kernel(decoupled: bool):
         bc2 = -math.expm1(float32(s * lb2))
         return float32(lr) / bc1, math.sqrt(bc2)
 
-    @cuda.jit(device=True, inline="always")
+    @_inlined
     def update(p, g, m, v, i, step_size, bc2_sqrt, w1, b2, w2, epsf, wdf, decay):
         gi = g[i]
         pi = p[i]

@@ -10,6 +10,7 @@ whether it uses local memory).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 from typing import Dict, Tuple
 
@@ -140,14 +141,34 @@ def variants():
     return out
 
 
+@contextlib.contextmanager
+def _device_functions_for(cc: Tuple[int, int]):
+    """Compile device functions for compute capability `cc`. numba-cuda compiles a device function
+    that NVVM inlines (forceinline=True) for the current GPU's compute capability, which
+    compile_ptx's `cc` does not reach, and without a GPU there is no current device; so, inside
+    this block, numba-cuda's dispatcher sees a device of capability `cc`."""
+    from numba.cuda import dispatcher
+
+    class _Device:
+        compute_capability = tuple(cc)
+
+    saved = dispatcher.get_current_device
+    dispatcher.get_current_device = _Device
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = saved
+
+
 def _compile_slice(args) -> Dict[str, str]:
     """{name: PTX} of variants()[part::parts] for compute capability cc; args = (cc, part, parts)."""
     from numba import cuda
     cc, part, parts = args
     res = {}
-    for name, d, sig in variants()[part::parts]:
-        ptx, _ = cuda.compile_ptx(d.py_func, sig, cc=cc)
-        res[name] = ptx
+    with _device_functions_for(cc):
+        for name, d, sig in variants()[part::parts]:
+            ptx, _ = cuda.compile_ptx(d.py_func, sig, cc=cc)
+            res[name] = ptx
     return res
 
 

@@ -32,3 +32,37 @@ def test_every_kernel_compiles_to_sm90_ptx():
                        timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "compiled" in r.stdout
+
+
+ONE_VARIANT = """
+from numba.cuda import dispatcher
+from snack.gpu import ptx
+before = dispatcher.get_current_device
+name, d, sig = next(v for v in ptx.variants() if v[0] == 'snack_spmm_own_bt4_bfloat16')
+res = ptx._compile_slice(((8, 0), 0, 1 << 30))  # the first variant only
+assert list(res) == [ptx.variants()[0][0]], list(res)
+for cc in ((9, 0), (8, 0)):
+    with ptx._device_functions_for(cc):
+        assert dispatcher.get_current_device().compute_capability == cc
+        text, _ = __import__('numba').cuda.compile_ptx(d.py_func, sig, cc=cc)
+    assert dispatcher.get_current_device is before
+    assert '.target sm_%d%d' % cc in text, text[:400]
+try:
+    with ptx._device_functions_for((9, 0)):
+        raise KeyError('inside')
+except KeyError:
+    pass
+assert dispatcher.get_current_device is before
+print('ok')
+"""
+
+
+def test_device_functions_compile_for_the_requested_capability_and_the_patch_is_undone():
+    """A kernel whose device functions NVVM inlines compiles without a GPU for the capability
+    asked for, and numba-cuda's current-device lookup is restored after the block, also when the
+    block raises."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-c", ONE_VARIANT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ok" in r.stdout
