@@ -7,7 +7,7 @@
 #
 #   make install                                  # .venv: torch 2.13.0 first (CPU wheel: PIP_EXTRA_INDEX_URL, see README), then snack + extras, MNIST
 #   make install TORCH= EXTRAS=experiments,test,gpu   # GPU machine: keep the CUDA torch you installed
-#   make test | demo | demo-ddp | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
+#   make test | test-gpu | demo | demo-ddp | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
 #   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2 | bench-gpt2-rest   (the other CSVs REPRODUCTION.md cites)
 #   make bench-bf16                               # half precision: kernels in bfloat16, the layer under autocast
 #   make bench-cold                               # the kernels' forward and the layer with a cold L2 beside a warm one
@@ -47,7 +47,7 @@ MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-lay
                 layer:$(LAYER_BF16_CSV):$(LAYER_BF16_FIG):bench-bf16 \
                 layer:$(LAYER_COLD_CSV):$(LAYER_COLD_FIG):bench-cold
 
-.PHONY: help install test demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest bench-bf16 bench-cold figures figure-mnist \
+.PHONY: help install test test-gpu demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest bench-bf16 bench-cold figures figure-mnist \
         figure-layer-snack-adam figure-gpt2-b1 clean-cache
 
 help:
@@ -63,6 +63,18 @@ install:
 # The README's test command (CI runs the same through .ci/run, in a fresh venv).
 test:
 	$(PY) -m pytest -q
+
+# GPU machine: the tests marked `gpu`. The kernel tests (most of their time is compiling kernel
+# variants, one process per test) run in GPU_WORKERS pytest-xdist workers beside the others, which
+# run in one process (CUDA graphs, streams, NCCL); the kernel tests' report follows the others'.
+GPU_WORKERS ?= 8
+test-gpu:
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs a CUDA GPU (torch.cuda.is_available() is False); make test runs the CPU tests')"
+	@log=$$(mktemp); \
+	$(PY) -m pytest -q -m gpu tests/test_gpu_kernels.py -n $(GPU_WORKERS) -p no:cacheprovider > $$log 2>&1 & kpid=$$!; \
+	$(PY) -m pytest -q -m gpu tests --ignore tests/test_gpu_kernels.py; rest=$$?; \
+	wait $$kpid; kern=$$?; echo "== tests/test_gpu_kernels.py ($(GPU_WORKERS) workers)"; cat $$log; rm -f $$log; \
+	test $$rest -eq 0 -a $$kern -eq 0
 
 # The main job: dense vs truly sparse LeNet-300-100 on MNIST -> results/train_mnist.{csv,json}.
 demo:
