@@ -46,8 +46,11 @@ Trade-off: the X^T / dY^T copies cost B x (in + out) element moves per call (plu
 the tile width), small against the nnz x B multiply-adds at the sparsities this is for, and
 they buy contiguous, register-blocked inner loops. float32 and float64 are computed natively;
 float16 and bfloat16 are computed in float32 and rounded once at the end. Kernels are compiled
-on first use (about 30 s for both dtypes) and cached on disk (`cache=True`): one
-specialisation per op and dtype.
+on first use (about 27 s for both dtypes on 2 cores) and cached on disk (`cache=True`): one
+specialisation per op and dtype. Helpers are left to LLVM's inliner, except four that Numba
+inlines at its IR level (`inline="always"`): the few-sample forward's row loop and dX's scatter
+(scalar, 8-wide and its task); with those too left to LLVM dX at B = 2-16 was 7-12% slower, and
+with every helper inlined at the IR level the compile took 42 instead of 27 s (same bits).
 
 Speed, 4096 x 4096 at 90% sparsity (nnz = 1.68 M), float32, 2 cores (Intel Xeon, torch 2.13
 CPU; experiments/bench_cpu.py --rounds 15, results/bench_cpu.csv @ f08ba1f), against dense torch.mm:
@@ -310,7 +313,7 @@ _WIDTHS = (8, 16, 32, 64)
 _STAGE = 16
 
 
-@njit(inline="always")
+@njit
 def _flush(stage, w, n, dst, b0, nb, r):
     """dst[b0 + j, r - n + i] = stage[i * w + j] for i < n, j < nb."""
     for j in range(nb):
@@ -369,7 +372,7 @@ def _make_rows(w, chains):
     sums added; for the forward at w <= 16, where one chain of a row's FMAs, each waiting for the
     last, bounds the loop: 4096 x 4096 at 90%, one thread, w = 8 1.94 -> 1.21 ms, w = 16
     2.06 -> 1.27; from w = 32 the row's vector registers are chains enough)."""
-    @njit(inline="always")
+    @njit
     def rows(r0, r1, ptr, idx, vals, src, base, dst, b0, nb):
         """Batch columns b0 .. b0 + w - 1 of rows r0 .. r1 - 1, w accumulators in registers."""
         stage = np.empty(_STAGE * w, src.dtype)
@@ -404,7 +407,7 @@ _rows8, _rows16, _rows32, _rows64 = (_make_rows(w, 1) for w in _WIDTHS)
 _rows8x2, _rows16x2 = _make_rows(8, 2), _make_rows(16, 2)
 
 
-@njit(inline="always")
+@njit
 def _spmm_task(it, split, ptr, idx, vals, src, m, dst, plan, forward):
     nchunk = split.shape[0] - 1
     t = it // nchunk
@@ -602,7 +605,7 @@ def _vadd(typingctx, a, b):
 
 
 def _make_sddmm(w):
-    @njit(inline="always")
+    @njit
     def sddmm_rows(r0, r1, ptr, idx, gsrc, gbase, xsrc, xbase, dv, first):
         for r in range(r0, r1):
             g = _vload(gsrc, gbase + r * w, w)
@@ -626,7 +629,7 @@ def _make_sddmm(w):
 _sddmm8, _sddmm16, _sddmm32, _sddmm64 = (_make_sddmm(w) for w in _WIDTHS)
 
 
-@njit(inline="always")
+@njit
 def _sddmm_task(ch, split, ptr, idx, dyt, xt, n_in, dv, plan):
     r0 = split[ch]
     r1 = split[ch + 1]
@@ -645,7 +648,7 @@ def _sddmm_task(ch, split, ptr, idx, dyt, xt, n_in, dv, plan):
             _sddmm8(r0, r1, ptr, idx, dyt, b0 * n_out, xt, b0 * n_in, dv, first)
 
 
-@njit(inline="always")
+@njit
 def _sddmm_few_rows(r0, r1, ptr, idx, dy, x, dv):
     """dv_k = sum_j dy[j, r_k] x[j, c_k] for the few samples j (B <= _FEW_MAX; dy, x as they
     are, rows contiguous), 8 non-zeros per step by gathers of x[j]. The products are added as
@@ -945,7 +948,7 @@ def _transpose_block(typingctx, t, r0, c0, flat, o, w):
     return types.none(t, r0, c0, flat, o, w), codegen
 
 
-@njit(inline="always")
+@njit
 def _tile_task(q, nblk, t, plan, flat):
     """Task q of _tile_kernel: one tile of plan, columns c0 .. c0 + _TILE_COLS of t."""
     m = t.shape[1]
