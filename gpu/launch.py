@@ -1,7 +1,8 @@
 """Launching Numba-compiled kernels on torch tensors with little host overhead.
 
 Three paths, chosen once per process:
-- "driver" (default on a GPU): the kernel is compiled by Numba once per signature, then launched
+- "driver" (default on a GPU): the kernel is compiled by Numba once per signature (or loaded from
+  the on-disk cache of compiled kernels, `snack.gpu.cache`), then launched
   with `cuda.bindings.driver.cuLaunchKernel` from a prebuilt parameter block (Numba's ABI: a 1-D
   array argument is 7 machine words: meminfo, parent, nitems, itemsize, data, shape, stride).
   Per call only the pointers and sizes are written into the block: a few microseconds of host
@@ -145,7 +146,8 @@ class _DriverKernel:
 
     def __init__(self, dispatcher, sig, n_arrays: int, n_scalars: int, max_smem: int):
         from cuda.bindings import driver
-        handle = _kernel_handle(dispatcher, sig)
+        from .cache import kernel_handle
+        handle, self.compiled = kernel_handle(dispatcher, sig)
         self.n_arrays = n_arrays
         self.slots, self.ptrs, self.params = _param_block(7 * n_arrays + n_scalars)
         self.last = [None] * (n_arrays + n_scalars)
@@ -223,7 +225,7 @@ def _driver_kernel(dispatcher, idx: int, arrays, scalars, device) -> "_DriverKer
                 with cuda.gpus[idx]:  # Numba loads the module into this device's context
                     k = _DriverKernel(dispatcher, sig, len(arrays), len(scalars), device_properties(device)[1])
                 _driver_kernels[key] = k
-                compiled = True
+                compiled = k.compiled  # False when loaded from the on-disk cache (snack.gpu.cache)
         if compiled and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             # Numba's compiler leaves garbage cycles of its frames, which hold (through f_back)
             # the frames of the call that compiled, e.g. a training step's forward: collected
