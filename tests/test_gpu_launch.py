@@ -134,6 +134,8 @@ def test_driver_kernels_are_compiled_per_dtype_of_every_array(monkeypatch):
     made = []
 
     class FakeKernel:
+        compiled = True
+
         def __init__(self, dispatcher, sig, n_arrays, n_scalars, max_smem):
             made.append(sig)
 
@@ -162,6 +164,8 @@ def test_a_kernel_compile_leaves_no_cycle_holding_the_callers_frame(monkeypatch)
     from snack.gpu import launch as L
 
     class CompilerLikeKernel:
+        compiled = True
+
         def __init__(self, dispatcher, sig, n_arrays, n_scalars, max_smem):
             cycle = [sys._getframe()]  # garbage once this returns: a list in a cycle with this frame,
             cycle.append(cycle)        # whose f_back is the caller's
@@ -182,6 +186,17 @@ def test_a_kernel_compile_leaves_no_cycle_holding_the_callers_frame(monkeypatch)
         monkeypatch.setattr(L, "gc", type("NoGC", (), {"collect": staticmethod(lambda: 0)}))
         monkeypatch.setattr(L, "_driver_kernels", {})
         assert step()() is not None  # (without the collection the cycle keeps it: the test bites)
+    # a kernel loaded from the on-disk cache (no Numba compile, no cycles) costs no collection
+    # (~0.1 s each on a small host)
+    calls = []
+    monkeypatch.setattr(L, "gc", type("CountGC", (), {"collect": staticmethod(lambda: calls.append(1))}))
+    monkeypatch.setattr(L, "_driver_kernels", {})
+    monkeypatch.setattr(CompilerLikeKernel, "compiled", False)
+    L._driver_kernel(object(), 0, [torch.zeros(2)], [], None)
+    assert calls == []
+    monkeypatch.setattr(CompilerLikeKernel, "compiled", True)
+    L._driver_kernel(object(), 0, [torch.zeros(2)], [], None)
+    assert calls == [1]
 
 
 def test_bfloat16_arrays_compile_as_int16_and_need_no_view_on_the_driver_path(monkeypatch):
