@@ -182,6 +182,15 @@ class _CaptureHook:
 
 
 # ---- the base class ----------------------------------------------------------------------------
+def _disable_keep_in_compiled_code() -> None:
+    """DynamicSparseTraining._keep wrapped in torch.compiler.disable, once per process."""
+    keep = DynamicSparseTraining._keep
+    if not getattr(keep, "_snack_eager", False):
+        keep = torch.compiler.disable(keep)
+        keep._snack_eager = True
+        DynamicSparseTraining._keep = keep
+
+
 class DynamicSparseTraining:
     """Prunes and regrows the connections of SparseLinear layers on a schedule; owns the
     optimizer-state remap. Subclasses define `drop_scores` (and `drop_groups`) and the growth
@@ -237,6 +246,7 @@ class DynamicSparseTraining:
                  total_steps: Optional[int] = None, decay: str = "cosine",
                  seed: Optional[int] = None, layers: Optional[Iterable[SparseLinear]] = None,
                  process_group=None):
+        _disable_keep_in_compiled_code()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "state"):
@@ -427,10 +437,11 @@ class DynamicSparseTraining:
         if self._capture_next:
             self._keep(module, inputs, output)
 
-    @torch.compiler.disable
     def _keep(self, module: SparseLinear, inputs, output) -> None:
         # eager even in a compiled model (a graph break on update steps only): traced, the hook
-        # on the output cannot be captured and the growing record lists would force recompiles
+        # on the output cannot be captured and the growing record lists would force recompiles.
+        # `_disable_keep_in_compiled_code` wraps it in torch.compiler.disable when the first DST
+        # object is made (not at import: that imports torch._dynamo, ~1 s)
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
             return
         x = inputs[0].detach().reshape(-1, module.in_features)
