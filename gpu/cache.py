@@ -221,3 +221,36 @@ def kernel_handle(dispatcher, sig) -> Tuple[object, bool]:
     if write(path, lib._entry_name, cubin):
         _stats["stored"] += 1
     return handle, True
+
+
+def files(directory: Optional[Path] = None):
+    """The cache files in `directory` (default: `cache_dir()`), sorted by name."""
+    d = cache_dir() if directory is None else Path(directory)
+    if d is None or not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.is_file() and p.name.endswith(".cubin"))
+
+
+def main(argv=None) -> int:
+    """python -m snack.gpu.cache [--clear]: where the kernel cache is, how many kernels and bytes
+    it holds; --clear deletes its files (and their temporary files, should a writer have died)."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m snack.gpu.cache", description=main.__doc__.split(":", 1)[1].strip())
+    ap.add_argument("--clear", action="store_true", help="delete the cached kernels")
+    args = ap.parse_args(argv)
+    d = cache_dir()
+    if d is None:
+        print(f"the kernel cache is off ({ENV}={os.environ.get(ENV)!r})")
+        return 0
+    fs = files(d)
+    print(f"{d}: {len(fs)} kernels, {sum(p.stat().st_size for p in fs) / 2**20:.1f} MiB")
+    if args.clear:
+        tmp = [p for p in d.iterdir() if p.is_file() and p.name.endswith(".tmp") and ".cubin." in p.name] if d.is_dir() else []
+        for p in fs + tmp:
+            p.unlink(missing_ok=True)
+        print(f"deleted {len(fs)} kernels" + (f" and {len(tmp)} temporary files" if tmp else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

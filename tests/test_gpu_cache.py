@@ -152,3 +152,22 @@ def test_a_second_process_loads_every_kernel_the_first_compiled(tmp_path):
     env[cache.ENV] = "0"
     off = _run(env)
     assert off["stats"] == {"hits": 0, "misses": 0, "stored": 0} and off["digests"] == first["digests"]
+
+
+def test_command_line_lists_and_clears_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(cache.ENV, str(tmp_path))
+    assert cache.main([]) == 0
+    assert capsys.readouterr().out.strip() == f"{tmp_path}: 0 kernels, 0.0 MiB"
+    for i in range(3):
+        assert cache.write(cache.path_for(tmp_path, f"k{i}", f"{i:064x}"), "e", b"x" * 2**19)
+    (tmp_path / "k9.cubin.abc.tmp").write_bytes(b"half")  # a writer that died
+    (tmp_path / "notes.txt").write_text("not ours")
+    assert [p.name[:2] for p in cache.files()] == ["k0", "k1", "k2"]
+    assert cache.main([]) == 0
+    assert capsys.readouterr().out.strip() == f"{tmp_path}: 3 kernels, 1.5 MiB"
+    assert cache.main(["--clear"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "deleted 3 kernels and 1 temporary files"
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    monkeypatch.setenv(cache.ENV, "0")
+    assert cache.main(["--clear"]) == 0 and "off" in capsys.readouterr().out
+    assert cache.files() == []
