@@ -537,10 +537,11 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
     x2 = x.reshape(math.prod(x.shape[:-1]), in_f) if flat else x
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    apply = _apply
     if compiling:  # traced: the custom op (the topology is looked up when the op runs)
         def apply(x2, values, bias, _):
             return library.sparse_linear_op(x2, indices, values, bias, out_features)
+    else:
+        apply = _apply
     if autocast and compiling:
         with torch.autocast(dev_type, enabled=False):
             y = apply(x2, values, bias, topo)

@@ -66,7 +66,6 @@ def test_ops_match_reference(gen, mode, out_f, in_f, B, density, dtype):
 
 
 def test_float32_against_scipy_odd_shape(gen):
-    import scipy.sparse as sp  # noqa: F401  (to_scipy needs it)
     coo, x, dy = make(gen, 40, 333, 7, 0.1, torch.float32)
     w = coo.to_scipy("csr")
     y = cpu.spmm(x, coo.topology, coo.values)
