@@ -269,6 +269,7 @@ def test_train_mnist_refuses_dst_without_a_sparse_model():
     ("tune_kernels", lambda m: m.main([])),
     ("decompose_wide", lambda m: m.main([])),
     ("bench_cold", lambda m: m.main([])),
+    ("bench_first_use", lambda m: m.main([])),
     ("profile_launch", lambda m: m.main([])),
     ("profile_launch", lambda m: m.main(["--train", "32"])),
     ("ncu_kernels", lambda m: m.main([])),
@@ -301,6 +302,10 @@ def test_gpu_scripts_check_their_options_first(capsys):
         assert opt in _usage_error(capsys, bench_cold.main, [opt, bad])
     for opt in ("--copies", "--replays"):
         assert f"{opt} must be >= 1" in _usage_error(capsys, bench_cold.main, [opt, "0"])
+    from experiments import bench_first_use
+    for args, what in ((["--full-runs", "0"], "--full-runs must be >= 1"), (["--sparsity", "1"], "--sparsity must be in [0, 1)"),
+                       (["--shape", "4096"], "--shape must be OUTxIN"), (["--dtype", "int8"], "--dtype")):
+        assert what in _usage_error(capsys, bench_first_use.main, args)
     from experiments import bench_layer
     for args, what in ((["--sparsity", "2"], "--sparsity must be in [0, 1)"),
                        (["--in_features", "0"], "--in_features must be >= 1"),
@@ -500,3 +505,12 @@ def test_plot_layer_draws_the_cold_l2_times_beside_the_warm_ones(tmp_path):
     assert bars["infer vs dense (graph)"] == pytest.approx([4.0, 4.0])
     png = plot_layer.main(["--csv", str(path), "--out", str(tmp_path / "fig.png")])
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_first_use_refuses_a_cache_dir_with_files_and_passes_its_children_the_rest(tmp_path, capsys):
+    from experiments import bench_first_use as b
+    (tmp_path / "k.cubin").write_bytes(b"x")
+    assert "--cache-dir must be a new or empty directory" in _usage_error(capsys, b.parse_args, ["--cache-dir", str(tmp_path)])
+    assert b.parse_args(["--cache-dir", str(tmp_path / "new")]).cache_dir == str(tmp_path / "new")
+    argv = ["--out", "a.csv", "--batch", "1,8", "--out=b.csv", "--cache-dir", "c", "--dtype=bfloat16"]
+    assert b._strip_option(b._strip_option(argv, "--out"), "--cache-dir") == ["--batch", "1,8", "--dtype=bfloat16"]
