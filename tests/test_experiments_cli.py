@@ -514,3 +514,35 @@ def test_bench_first_use_refuses_a_cache_dir_with_files_and_passes_its_children_
     assert b.parse_args(["--cache-dir", str(tmp_path / "new")]).cache_dir == str(tmp_path / "new")
     argv = ["--out", "a.csv", "--batch", "1,8", "--out=b.csv", "--cache-dir", "c", "--dtype=bfloat16"]
     assert b._strip_option(b._strip_option(argv, "--out"), "--cache-dir") == ["--batch", "1,8", "--dtype=bfloat16"]
+
+
+def test_bench_first_use_runs_empty_then_full_then_off_and_writes_every_call(tmp_path, monkeypatch, capsys):
+    # the parent process's part (the measured processes need a GPU): which cache each run gets,
+    # what reaches the CSV
+    import csv
+    import os
+    from experiments import bench_first_use as b
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    seen = []
+
+    def fake_child(argv, cache_value):
+        seen.append((list(argv), cache_value, os.path.isdir(cache_value)))
+        hits = 0 if len(seen) == 1 or cache_value == "0" else 3
+        rows = [dict(sparsity=0.9, B=B, op=op, seconds=0.5 if hits == 0 else 0.01) for B in (1, 8) for op in b.OPS]
+        return dict(rows=rows, import_s=1.0, total_s=2.0, worst_forward_error=1e-7,
+                    stats=dict(hits=hits, misses=3 - hits if cache_value != "0" else 0, stored=3 if len(seen) == 1 else 0))
+    monkeypatch.setattr(b, "_run_child", fake_child)
+    out = tmp_path / "fu.csv"
+    b.main(["--batch", "1,8", "--sparsity", "0.9", "--full-runs", "2", "--out", str(out)])
+    assert [s[1] == "0" for s in seen] == [False, False, False, True]
+    assert seen[0][1] == seen[1][1] == seen[2][1] and seen[0][2]  # one temporary directory, there while used
+    assert not os.path.exists(seen[0][1])                       # and removed after
+    assert all(s[0] == ["--batch", "1,8", "--sparsity", "0.9", "--full-runs", "2"] for s in seen)
+    rows = list(csv.DictReader(open(out)))
+    assert len(rows) == 4 * (8 + 2)
+    assert [r["cache"] for r in rows[::10]] == ["empty", "full", "full", "off"]
+    assert {r["gpu"] for r in rows} == {"Fake GPU"} and all(r["commit"] for r in rows)
+    calls = [r for r in rows if r["op"] in b.OPS]
+    assert {(r["run"], r["B"], r["op"]) for r in calls} == {(str(i), str(B), op) for i in range(1, 5) for B in (1, 8) for op in b.OPS}
+    assert "run 2 (full): first calls 0.08 s" in capsys.readouterr().out
