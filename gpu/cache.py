@@ -2,7 +2,8 @@
 process compiled instead of compiling it again (1-4 s per kernel variant with Numba and NVVM).
 
 What is stored: one file per kernel variant, signature and GPU architecture, holding the kernel's
-entry name and its cubin (the machine code the driver loads). A file is written once, to a
+entry name, its cubin (the machine code the driver loads) and the cubin's SHA-256 (a file whose
+cubin does not match is ignored, compiled again and rewritten). A file is written once, to a
 temporary name beside it, then renamed, so that processes sharing the directory (pytest-xdist
 workers, data-parallel ranks) never read a half-written file; each variant has a file of its
 own, so two processes never race for one index.
@@ -13,8 +14,8 @@ functions come from is added), the kernel's name, the values its factory closed 
 tile, dtype kinds, flags, and the device functions built for them with their own values and
 compile options), its compile options (launch bound), the argument types, the compute
 capability, the numba-cuda, cuda-bindings, NVVM and driver versions and Numba's optimisation
-level. A change to any of them
-gives a new name, so a stale file is never loaded; old files are left for the user to delete.
+level. A change to any of them gives a new name, so a stale file is never loaded; old files
+are left for the user to delete (`python -m snack.gpu.cache --clear`).
 
 Where: `$SNACK_KERNEL_CACHE` if set ("0" or "" turns the cache off), else
 `$XDG_CACHE_HOME/snack/kernels` (default `~/.cache/snack/kernels`). A directory that cannot be
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 ENV = "SNACK_KERNEL_CACHE"
-_MAGIC = b"SNACK-CUBIN 1\n"
+_MAGIC = b"SNACK-CUBIN 2\n"
 _stats = {"hits": 0, "misses": 0, "stored": 0}
 _digests = {}
 _toolchain = None
@@ -121,7 +122,8 @@ def path_for(directory: Path, name: str, key: str) -> Path:
 
 
 def read(path: Path) -> Optional[Tuple[str, bytes]]:
-    """(entry name, cubin) from a cache file, or None when it is missing or not one."""
+    """(entry name, cubin) from a cache file, or None when it is missing, not one, or its cubin
+    does not match the digest stored with it."""
     try:
         data = Path(path).read_bytes()
     except OSError:
@@ -129,17 +131,21 @@ def read(path: Path) -> Optional[Tuple[str, bytes]]:
     if not data.startswith(_MAGIC):
         return None
     head, sep, cubin = data[len(_MAGIC):].partition(b"\n")
-    if not sep or not head or not cubin:
+    entry, _, digest = head.decode("ascii", "replace").partition(" ")
+    if not sep or not entry or not cubin or digest != hashlib.sha256(cubin).hexdigest():
         return None
-    return head.decode("ascii", "replace"), cubin
+    return entry, cubin
 
 
-def _warn(what: str):
+def _warn(what: str, writable: bool = True):
+    """One warning per process: the cache does not work here (`what`), and what to do about it."""
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn(f"SNACK {what}; kernels are compiled in every process. Set {ENV} to a writable "
-                      f"directory, or to 0 to turn the cache off.", RuntimeWarning, stacklevel=4)
+        fix = f"set {ENV} to a writable directory, or to 0 to turn the cache off" if writable else \
+            f"set {ENV}=0 to turn the cache off"
+        warnings.warn(f"SNACK {what}; such kernels are compiled in every process: {fix}.", RuntimeWarning,
+                      stacklevel=4)
 
 
 def _cubin_bytes(obj) -> bytes:
@@ -169,7 +175,8 @@ def write(path: Path, entry: str, cubin: bytes) -> bool:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + entry.encode("ascii") + b"\n" + bytes(cubin))
+            cubin = bytes(cubin)
+            f.write(_MAGIC + f"{entry} {hashlib.sha256(cubin).hexdigest()}\n".encode("ascii") + cubin)
         os.replace(tmp, path)
         tmp = None
         return True
@@ -197,7 +204,7 @@ def kernel_handle(dispatcher, sig) -> Tuple[object, bool]:
     try:
         key = variant_key(dispatcher, sig, cc, toolchain())
     except TypeError as e:  # a closure value the cache cannot name: compiled, not cached
-        _warn(f"cannot cache a kernel ({e})")
+        _warn(f"cannot cache a kernel ({e})", writable=False)
         return dispatcher.compile(sig)._codelibrary.get_cufunc().handle, True
     path = path_for(d, dispatcher.py_func.__name__, key)
     got = read(path)
@@ -216,7 +223,7 @@ def kernel_handle(dispatcher, sig) -> Tuple[object, bool]:
     try:
         cubin = _cubin_bytes(lib.get_cubin(cc=cc))
     except Exception as e:  # a numba-cuda whose linker returns something else: no cache, no error
-        _warn(f"cannot read a compiled kernel's machine code ({e!r})")
+        _warn(f"cannot read a compiled kernel's machine code ({e!r})", writable=False)
         return handle, True
     if write(path, lib._entry_name, cubin):
         _stats["stored"] += 1

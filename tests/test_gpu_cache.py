@@ -56,13 +56,19 @@ def test_files_round_trip_and_a_damaged_file_reads_as_missing(tmp_path):
     assert cache.write(p, "other", b"x")  # rewritten in place
     assert cache.read(p) == ("other", b"x")
     data = p.read_bytes()
+    assert data.count(b"\n", 0, len(data) - 1) >= 2 and b"other " in data  # magic, "entry sha256", cubin
     # what Numba's linker returns: a cuda.core ObjectCode holding bytes (or a path), or bytes
     import types
     assert cache._cubin_bytes(types.SimpleNamespace(code=blob)) == blob == cache._cubin_bytes(bytearray(blob))
     assert cache._cubin_bytes(types.SimpleNamespace(code=str(p))) == data
-    for bad in (b"", data[:5], b"ELF" + data, data[:data.index(b"\n") + 1] + b"entry-without-code"):
+    flipped = data[:-1] + bytes([data[-1] ^ 1])  # one bit of the machine code
+    head = data[:data.index(b"\n") + 1]
+    for bad in (b"", data[:5], b"ELF" + data, head + b"entry-without-code", data[:-1], flipped,
+                head + b"other\nx", head + b"other 00\nx"):
         p.write_bytes(bad)
         assert cache.read(p) is None, bad[:40]
+    p.write_bytes(data)
+    assert cache.read(p) == ("other", b"x")
 
 
 def test_a_directory_that_cannot_be_written_warns_once_and_stores_nothing(tmp_path, monkeypatch):
