@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.bench_kernels import copy_bandwidth, forward_floor_bytes, require_gpu, rel_err, run_metadata  # noqa: E402
-from experiments.cli import comma_list, shape_arg  # noqa: E402
+from experiments.cli import add_grid, grid  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 FLUSH_BYTES = 256 * 2 ** 20  # > 5x the H200's L2
@@ -49,17 +49,13 @@ METHODS = ("snack", "dense", "dense_mask", "cusparse_csr")
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="4096x4096", help="OUTxIN")
-    ap.add_argument("--sparsity", default="0.9,0.95,0.99")
-    ap.add_argument("--batch", default="1,8,32,128")
+    add_grid(ap)
     ap.add_argument("--copies", type=int, default=20, help="copies of the op per captured graph")
     ap.add_argument("--replays", type=int, default=10, help="replays of each graph")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_cold.csv"))
     args = ap.parse_args(argv)
-    args.n_out, args.n_in = shape_arg(ap, "shape", args.shape)
-    args.sparsity_list = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0 <= s < 1, "in [0, 1)")
-    args.batch_list = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "positive ints")
+    args.n_out, args.n_in, args.sparsity_list, args.batch_list = grid(ap, args)
     for key in ("copies", "replays"):
         if getattr(args, key) < 1:
             ap.error(f"--{key} must be >= 1, got {getattr(args, key)}")

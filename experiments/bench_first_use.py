@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 
-from experiments.cli import comma_list, shape_arg  # noqa: E402
-from experiments.results_io import git_commit, write_csv  # noqa: E402
+from experiments.cli import add_grid, grid  # noqa: E402
+from experiments.results_io import write_csv  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16")
 OPS = ("fwd", "dx", "sddmm", "bwd")
@@ -42,9 +42,7 @@ OPS = ("fwd", "dx", "sddmm", "bwd")
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="4096x4096", help="OUTxIN")
-    ap.add_argument("--sparsity", default="0.9,0.95,0.99")
-    ap.add_argument("--batch", default="1,8,32,128")
+    add_grid(ap)
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--full-runs", type=int, default=2, help="processes run with the full cache")
     ap.add_argument("--cache-dir", default=None, help="the cache directory to fill (default: a temporary one); "
@@ -53,9 +51,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=str(ROOT / "results" / "bench_first_use.csv"))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measured process
     args = ap.parse_args(argv)
-    args.n_out, args.n_in = shape_arg(ap, "shape", args.shape)
-    args.sparsity_list = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0 <= s < 1, "in [0, 1)")
-    args.batch_list = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "positive ints")
+    args.n_out, args.n_in, args.sparsity_list, args.batch_list = grid(ap, args)
     if args.full_runs < 1:
         ap.error(f"--full-runs must be >= 1, got {args.full_runs}")
     if args.cache_dir is not None and Path(args.cache_dir).exists() and any(Path(args.cache_dir).iterdir()):
@@ -73,6 +69,7 @@ def child(args) -> dict:
     from snack.core import COO
     from snack.gpu import cache
     t_import = time.perf_counter() - t0
+    from experiments.bench_kernels import rel_err  # after the timed imports (it imports torch too)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(args.seed)
     rows, worst = [], 0.0
@@ -93,8 +90,7 @@ def child(args) -> dict:
                 torch.cuda.synchronize()
                 rows.append(dict(sparsity=sp, B=B, op=op, seconds=time.perf_counter() - s))
             ref = x.double() @ coo.to_dense().to(dtype).double().T
-            err = ((out["fwd"].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-            worst = max(worst, err)
+            worst = max(worst, rel_err(out["fwd"], ref))
     tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}[args.dtype]
     if not worst < tol:
         raise SystemExit(f"the forward is off by {worst:.3g} (relative) against float64: nothing written")
@@ -119,12 +115,9 @@ def main(argv=None):
     if args.child:
         print(json.dumps(child(args)))
         return
-    import torch
-    if not torch.cuda.is_available():
-        raise SystemExit(f"bench_first_use.py needs a CUDA GPU and torch sees none (torch.cuda.is_available() is "
-                         f"False, torch {torch.__version__}): run it on the GPU machine")
-    import numba
-    import numba_cuda
+    # (imported here: a measured process imports torch inside its timed part)
+    from experiments.bench_kernels import require_gpu, run_metadata
+    require_gpu("bench_first_use.py")  # (run_metadata records triton's version)
     child_argv = _strip_option(_strip_option(argv, "--out"), "--cache-dir")
     tmp = None
     if args.cache_dir is None:
@@ -132,9 +125,7 @@ def main(argv=None):
         cache_dir = tmp.name
     else:
         cache_dir = args.cache_dir
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, numba=numba.__version__,
-                numba_cuda=numba_cuda.__version__, cuda=torch.version.cuda, commit=git_commit(),
-                shape=f"{args.n_out}x{args.n_in}", dtype=args.dtype)
+    meta = dict(run_metadata(args.dtype), shape=f"{args.n_out}x{args.n_in}")
     runs = [("empty", cache_dir)] + [("full", cache_dir)] * args.full_runs + [("off", "0")]
     rows = []
     try:

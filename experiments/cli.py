@@ -5,7 +5,8 @@ the command line did not give; the options are declared with `default=argparse.S
 explicit value always wins over the preset.
 `comma_list(parser, name, text, conv, valid, what)`: a comma-separated option's values, or a
 usage error. `shape_arg(parser, name, text)`: an "OUTxIN" option as two positive ints, or a
-usage error.
+usage error. `add_grid(ap)` / `grid(ap, args)`: the --shape / --sparsity / --batch options of the
+scripts that time a grid of points, and their values.
 `csv_to_plot(path, default, writer)`: whether a plot script has its CSV, or one line saying why
 not.
 `read_rows(path, required, writer)`: a plot script's CSV rows, or one line saying why they
@@ -50,6 +51,22 @@ def shape_arg(parser: argparse.ArgumentParser, name: str, text: str):
     if out_f < 1 or in_f < 1:
         parser.error(f"--{name} must be OUTxIN with positive ints (e.g. 4096x4096), got {text!r}")
     return out_f, in_f
+
+
+def add_grid(ap: argparse.ArgumentParser, batch: str = "1,8,32,128") -> None:
+    """The --shape, --sparsity and --batch options of a script that times a grid of points."""
+    ap.add_argument("--shape", default="4096x4096", help="OUTxIN")
+    ap.add_argument("--sparsity", default="0.9,0.95,0.99")
+    ap.add_argument("--batch", default=batch)
+
+
+def grid(ap: argparse.ArgumentParser, args: argparse.Namespace):
+    """(n_out, n_in, sparsities, batches) from add_grid's options, or a usage error naming the
+    option."""
+    n_out, n_in = shape_arg(ap, "shape", args.shape)
+    sparsities = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0 <= s < 1, "in [0, 1)")
+    batches = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "positive ints")
+    return n_out, n_in, sparsities, batches
 
 
 def auto_int(text: str):

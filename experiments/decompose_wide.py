@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.bench_kernels import require_gpu, run_metadata  # noqa: E402
-from experiments.cli import comma_list, shape_arg  # noqa: E402
+from experiments.cli import add_grid, grid  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 # (name, probe bits): see snack.gpu.kernels.make_spmm_wide_kernel(probe=)
@@ -34,15 +34,11 @@ SETTINGS = [("full", 0), ("no staging", 1), ("no rows", 2), ("no flush", 4), ("n
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="4096x4096", help="OUTxIN")
-    ap.add_argument("--sparsity", default="0.9,0.95,0.99")
-    ap.add_argument("--batch", default="32")
+    add_grid(ap, batch="32")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    n_out, n_in = shape_arg(ap, "shape", args.shape)  # options checked before the GPU check
-    sparsities = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0 <= s < 1, "in [0, 1)")
-    batches = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "positive ints")
+    n_out, n_in, sparsities, batches = grid(ap, args)  # options checked before the GPU check
     require_gpu("decompose_wide.py")
     from triton.testing import do_bench_cudagraph
 

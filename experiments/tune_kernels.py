@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.bench_kernels import require_gpu, run_metadata  # noqa: E402
-from experiments.cli import auto_int, comma_list, shape_arg  # noqa: E402
+from experiments.cli import add_grid, auto_int, comma_list, grid  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 OPS = ("fwd", "dx", "sddmm")
@@ -37,9 +37,7 @@ OPS = ("fwd", "dx", "sddmm")
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="4096x4096")
-    ap.add_argument("--sparsity", default="0.9,0.95,0.99")
-    ap.add_argument("--batch", default="1,8,32,128")
+    add_grid(ap)
     ap.add_argument("--bt", default="1,2,4,8", help="batch tiles of the tiled kernels")
     ap.add_argument("--threads", default="256,512,1024")
     ap.add_argument("--chunks", default="auto,3,4,6,8", help="column chunks of the wide kernels (auto: the default rule)")
@@ -57,9 +55,7 @@ def main(argv=None):
     threads_ok = "multiples of 32 in [32, 1024]"
     own_threads = comma_list(ap, "own-threads", args.own_threads, auto_int,
                              lambda t: t is None or (32 <= t <= 1024 and t % 32 == 0), f"auto or {threads_ok}")
-    n_out, n_in = shape_arg(ap, "shape", args.shape)
-    sparsities = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0 <= s < 1, "in [0, 1)")
-    batches = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "positive ints")
+    n_out, n_in, sparsities, batches = grid(ap, args)
     bts = comma_list(ap, "bt", args.bt, int, lambda b: b in (1, 2, 4, 8), "batch tiles among 1, 2, 4, 8")
     threads = comma_list(ap, "threads", args.threads, int, lambda t: 32 <= t <= 1024 and t % 32 == 0, threads_ok)
     chunks = comma_list(ap, "chunks", args.chunks, auto_int, lambda c: c is None or c >= 1, "auto or positive ints")

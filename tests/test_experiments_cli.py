@@ -522,8 +522,9 @@ def test_bench_first_use_runs_empty_then_full_then_off_and_writes_every_call(tmp
     import csv
     import os
     from experiments import bench_first_use as b
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    from experiments import bench_kernels
+    monkeypatch.setattr(bench_kernels, "require_gpu", lambda *a, **k: None)
+    monkeypatch.setattr(bench_kernels, "run_metadata", lambda dtype: dict(gpu="Fake GPU", commit="abc1234", dtype=dtype))
     seen = []
 
     def fake_child(argv, cache_value):
@@ -542,7 +543,7 @@ def test_bench_first_use_runs_empty_then_full_then_off_and_writes_every_call(tmp
     rows = list(csv.DictReader(open(out)))
     assert len(rows) == 4 * (8 + 2)
     assert [r["cache"] for r in rows[::10]] == ["empty", "full", "full", "off"]
-    assert {r["gpu"] for r in rows} == {"Fake GPU"} and all(r["commit"] for r in rows)
+    assert {(r["gpu"], r["commit"], r["dtype"], r["shape"]) for r in rows} == {("Fake GPU", "abc1234", "float32", "4096x4096")}
     calls = [r for r in rows if r["op"] in b.OPS]
     assert {(r["run"], r["B"], r["op"]) for r in calls} == {(str(i), str(B), op) for i in range(1, 5) for B in (1, 8) for op in b.OPS}
     assert "run 2 (full): first calls 0.08 s" in capsys.readouterr().out
