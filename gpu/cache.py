@@ -191,23 +191,35 @@ def write(path: Path, entry: str, cubin: bytes) -> bool:
                 pass
 
 
+def compiled_library(dispatcher, sig):
+    """Numba's code library of `dispatcher` compiled for `sig` (compiled now unless it was
+    before): its `get_cufunc().handle` is the kernel in the current CUDA context."""
+    return dispatcher.compile(sig)._codelibrary
+
+
+def _cache_path(dispatcher, sig, cc) -> Optional[Path]:
+    """The file `dispatcher`'s kernel for `sig` and capability `cc` is kept in; None when the
+    cache is off or the kernel cannot be named (one warning)."""
+    d = cache_dir()
+    if d is None:
+        return None
+    try:
+        key = variant_key(dispatcher, sig, cc, toolchain())
+    except TypeError as e:  # a closure value the cache cannot name: compiled, not cached
+        _warn(f"cannot cache a kernel ({e})", writable=False)
+        return None
+    return path_for(d, dispatcher.py_func.__name__, key)
+
+
 def kernel_handle(dispatcher, sig) -> Tuple[object, bool]:
     """(driver handle, compiled) of `dispatcher` for the numba signature `sig` in the current CUDA
     context: loaded from the cache when it holds the kernel (compiled False), else compiled by
     Numba (compiled True) and stored."""
     from numba import cuda
-    d = cache_dir()
-    if d is None:
-        return dispatcher.compile(sig)._codelibrary.get_cufunc().handle, True
     ctx = cuda.current_context()
     cc = ctx.device.compute_capability
-    try:
-        key = variant_key(dispatcher, sig, cc, toolchain())
-    except TypeError as e:  # a closure value the cache cannot name: compiled, not cached
-        _warn(f"cannot cache a kernel ({e})", writable=False)
-        return dispatcher.compile(sig)._codelibrary.get_cufunc().handle, True
-    path = path_for(d, dispatcher.py_func.__name__, key)
-    got = read(path)
+    path = _cache_path(dispatcher, sig, cc)
+    got = read(path) if path is not None else None
     if got is not None:
         entry, cubin = got
         try:
@@ -217,9 +229,11 @@ def kernel_handle(dispatcher, sig) -> Tuple[object, bool]:
         if handle is not None:
             _stats["hits"] += 1
             return handle, False
-    _stats["misses"] += 1
-    lib = dispatcher.compile(sig)._codelibrary
+    lib = compiled_library(dispatcher, sig)
     handle = lib.get_cufunc().handle
+    if path is None:
+        return handle, True
+    _stats["misses"] += 1
     try:
         cubin = _cubin_bytes(lib.get_cubin(cc=cc))
     except Exception as e:  # a numba-cuda whose linker returns something else: no cache, no error

@@ -559,8 +559,10 @@ _numba_smem_done = set()
 
 
 def _kernel_handle(dispatcher, sig):
-    """The driver handle (CUkernel or CUfunction) of `dispatcher` compiled for `sig`."""
-    return dispatcher.compile(sig)._codelibrary.get_cufunc().handle
+    """The driver handle (CUkernel or CUfunction) of `dispatcher` compiled for `sig` (Numba's own,
+    the one its dispatcher launches: not through the on-disk cache)."""
+    from .cache import compiled_library
+    return compiled_library(dispatcher, sig).get_cufunc().handle
 
 
 def _set_max_dynamic_smem(handle, max_smem: int):
