@@ -46,8 +46,8 @@ Trade-off: the X^T / dY^T copies cost B x (in + out) element moves per call (plu
 the tile width), small against the nnz x B multiply-adds at the sparsities this is for, and
 they buy contiguous, register-blocked inner loops. float32 and float64 are computed natively;
 float16 and bfloat16 are computed in float32 and rounded once at the end. Kernels are compiled
-on first use (about 27 s for both dtypes on 2 cores) and cached on disk (`cache=True`): one
-specialisation per op and dtype. Helpers are left to LLVM's inliner, except four that Numba
+on first use (about 27 s for both dtypes on 2 cores) and cached on disk (Numba's cache, with
+loads and saves under a lock file: `core/jit.py`): one specialisation per op and dtype. Helpers are left to LLVM's inliner, except four that Numba
 inlines at its IR level (`inline="always"`): the few-sample forward's row loop and dX's scatter
 (scalar, 8-wide and its task); with those too left to LLVM dX at B = 2-16 was 7-12% slower, and
 with every helper inlined at the IR level the compile took 42 instead of 27 s (same bits).
@@ -78,6 +78,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from .coo import Topology, check_topology
+from .jit import njit_cached
 
 __all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "supports", "SUPPORTED_DTYPES"]
 
@@ -353,7 +354,7 @@ def _rows_few(r0, r1, ptr, idx, vals, x, dst):
             dst[j, r] = s
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit_cached(parallel=True, nogil=True)
 def _spmm_few_kernel(split, ptr, idx, vals, x, dst, parallel):
     """Y = X W^T for B <= _FEW_MAX: x = X (B, in) rows contiguous, dst = Y (B, out); tasks = row
     chunks."""
@@ -433,7 +434,7 @@ def _spmm_task(it, split, ptr, idx, vals, src, m, dst, plan, forward):
         _rows8(r0, r1, ptr, idx, vals, src, base, dst, b0, nb)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit_cached(parallel=True, nogil=True)
 def _spmm_kernel(split, ptr, idx, vals, src, m, dst, plan, parallel, forward):
     """Y = X W^T: src = X^T tiles (m = in), dst = Y (B, out); tasks = (row chunk, batch tile),
     run in parallel or, for small work, on the calling thread alone. forward: tiles of 8 or 16
@@ -526,7 +527,7 @@ def _spmm_t_task(it, csplit, bounds, idx, vals, src, part, dst, plan):
             dst[b0 + j, c] = part[pbase + c * w + j]
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit_cached(parallel=True, nogil=True)
 def _gather_kernel(vals, perm, dst, parallel):
     """dst[i] = vals[perm[i]]: the values in column-major order, for dX as an SpMM on W^T."""
     if parallel:
@@ -537,7 +538,7 @@ def _gather_kernel(vals, perm, dst, parallel):
             dst[i] = vals[perm[i]]
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit_cached(parallel=True, nogil=True)
 def _spmm_t_kernel(csplit, bounds, idx, vals, src, part, dst, plan, parallel):
     """dX = dY W. csplit int32 (nchunk + 1,): column ranges; bounds int32 (nchunk + 1, out):
     bounds[ch, r] is the first CSR position of row r whose column is >= csplit[ch]; src = dY^T
@@ -694,7 +695,7 @@ def _sddmm_few_rows(r0, r1, ptr, idx, dy, x, dv):
                 k += 1
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit_cached(parallel=True, nogil=True)
 def _sddmm_few_kernel(split, ptr, idx, dy, x, dv, parallel):
     """dv for B <= _FEW_MAX from dy (B, out) and x (B, in) as they are; tasks = row chunks."""
     if parallel:
@@ -705,7 +706,7 @@ def _sddmm_few_kernel(split, ptr, idx, dy, x, dv, parallel):
             _sddmm_few_rows(split[ch], split[ch + 1], ptr, idx, dy, x, dv)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit_cached(parallel=True, nogil=True)
 def _sddmm_kernel(split, ptr, idx, dyt, xt, n_in, dv, plan, parallel):
     """dv[k] = <dY^T[r_k, :], X^T[c_k, :]>: dyt = dY^T tiles (m = out), xt = X^T tiles (m = in),
     dv (nnz,); tasks = row chunks."""
@@ -976,7 +977,7 @@ def _tile_task(q, nblk, t, plan, flat):
             flat[base + c * w + j] = zero
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@njit_cached(parallel=True, nogil=True)
 def _tile_kernel(t, plan, flat, parallel):
     """flat[b0 * m + c * w + j] = t[b0 + j, c] (0 for j >= nb) for each tile (w, b0, nb) of plan:
     t (B, m), rows contiguous, into the tile-major layout of the kernels' `src`; tasks = (tile,
