@@ -11,6 +11,7 @@
 #   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2 | bench-gpt2-rest   (the other CSVs REPRODUCTION.md cites)
 #   make bench-bf16                               # half precision: kernels in bfloat16, the layer under autocast
 #   make bench-cold                               # the kernels' forward and the layer with a cold L2 beside a warm one
+#   make targets                                  # every target of the kernels and the layer: met or not, from results/*.csv
 #   make -j2 mnist-recipe [DIST=erk]              # LeNet-300-100 with sparse_learning's recipe, dense / SET / RigL
 
 VENV    ?= .venv
@@ -51,7 +52,7 @@ MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-lay
                 layer:$(LAYER_BF16_CSV):$(LAYER_BF16_FIG):bench-bf16 \
                 layer:$(LAYER_COLD_CSV):$(LAYER_COLD_FIG):bench-cold
 
-.PHONY: help install test test-gpu demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest bench-bf16 bench-cold figures figure-mnist \
+.PHONY: help install test test-gpu demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest bench-bf16 bench-cold figures targets figure-mnist \
         figure-layer-snack-adam figure-gpt2-b1 clean-cache
 
 help:
@@ -99,6 +100,10 @@ bench:
 
 bench-cpu:
 	$(PY) experiments/bench_cpu.py
+
+targets:
+	$(PY) experiments/targets.py
+	$(PY) experiments/targets.py --cold
 
 # Figures are drawn from results/*.csv by the plot scripts, never inside a benchmark: each plot
 # script's default figure, then MORE_FIGURES (a CSV not measured yet is skipped and named).

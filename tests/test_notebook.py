@@ -24,6 +24,7 @@ def test_figures_notebook_runs(tmp_path, monkeypatch):
     assert "best speed-up over Dense+Mask" in text
     assert "memory" in text and "% of dense" in text
     # every issue target is printed as met / NOT met from the committed CSVs
-    assert "kernel targets met:" in text and "layer targets met:" in text
-    assert "95%, B = 8: >= 10x Dense+Mask" in text
-    assert "cold L2, training, B = 32: >= 4x dense:" in text  # the layer's targets on the cold times
+    # (experiments/targets.py: the kernels' and the layer's, warm and cold: four summaries)
+    assert text.count("\nmet: ") == 4, text
+    assert "forward 95%, B = 8: x Dense+Mask" in text
+    assert "cold L2, training B = 32: x dense" in text  # the layer's targets on the cold times

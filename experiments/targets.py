@@ -1,0 +1,196 @@
+"""The performance targets of the kernels (#3) and the layer (#4), read from the committed CSVs.
+
+    python experiments/targets.py              # one line per target: met / NOT met, value, target
+    python experiments/targets.py --markdown   # the README's table ("Targets at a glance")
+    python experiments/targets.py --cold       # the same targets read on the cold-L2 timings
+
+Every value is a ratio in which larger is better (a speed-up, a fraction of the roofline, dense's
+bytes or energy over SNACK's), so a target is met when value >= target. The targets are read on
+the warm tables (graph replay back to back, `bench_kernels.py --quick`, `bench_layer.py
+--optimizer snack-adam`), as the issues state them; `--cold` reads the same ratios on
+`bench_cold.py` and `bench_layer.py --cold_l2`, which show what a model sees when other work
+evicts the L2 between calls. The notebook papers/figures.ipynb prints the same checks.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS_CSV = ROOT / "results" / "bench_kernels_quick.csv"
+LAYER_CSV = ROOT / "results" / "bench_layer_snack_adam.csv"
+KERNELS_COLD_CSV = ROOT / "results" / "bench_cold.csv"
+LAYER_COLD_CSV = ROOT / "results" / "bench_layer_snack_adam_cold_l2.csv"
+
+
+@dataclass(frozen=True)
+class Check:
+    issue: int      # 3: kernels, 4: the layer
+    name: str
+    value: float    # larger is better
+    target: float
+    source: str     # CSV file name, commit and GPU of the run
+    percent: bool = False  # a fraction, shown as a percentage (else a ratio, shown as 1.23x)
+
+    @property
+    def met(self) -> bool:
+        return self.value >= self.target
+
+    def show(self, v: float) -> str:
+        return f"{100 * v:.1f}%" if self.percent else f"{v:.2f}x"
+
+
+def _rows(path: Path):
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: measure it on a GPU first "
+                                f"(see the README's 'Reproduce the figures')")
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _source(path: Path, row: dict, gpu_key: str) -> str:
+    return f"`{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}` at `{row['commit']}`, {row[gpu_key]}"
+
+
+def kernel_checks(path: Path = KERNELS_CSV) -> List[Check]:
+    """#3's targets on the 12 target points (forward, dX, SDDMM, graph time) and the 1000-call
+    eager host-overhead test."""
+    rows = _rows(path)
+    q = defaultdict(dict)
+    for r in rows:
+        if r["graph_us"]:
+            q[(float(r["sparsity"]), int(r["batch"]), r["op"])][r["method"]] = r
+    src = _source(path, rows[0], "gpu")
+
+    def t(sp, B, method="snack", op="forward"):
+        return float(q[(sp, B, op)][method]["graph_us"])
+
+    out = []
+    for B in (1, 8, 32):
+        out.append(Check(3, f"forward 95%, B = {B}: x Dense+Mask", t(0.95, B, "dense_mask") / t(0.95, B), 10, src))
+    for B in (1, 8, 32):
+        out.append(Check(3, f"forward 90%, B = {B}: x dense", t(0.9, B, "dense") / t(0.9, B), 3, src))
+    for sp in (0.9, 0.95, 0.99):
+        for B in (1, 8, 32, 128):
+            out.append(Check(3, f"forward {sp:.0%}, B = {B}: x cuSPARSE",
+                             t(sp, B, "cusparse_csr") / t(sp, B), 1.5, src))
+    for B in (1, 8, 32):
+        roof = float(q[(0.9, B, "forward")]["snack"]["roofline_frac"])
+        out.append(Check(3, f"forward 90%, B = {B}: fraction of the HBM roofline", roof, 0.5, src,
+                         percent=True))
+    for op in ("dX", "SDDMM"):
+        worst = min(((t(sp, B) / t(sp, B, op=op)), sp, B)
+                    for sp in (0.9, 0.95, 0.99) for B in (1, 8, 32, 128))
+        out.append(Check(3, f"{op} within 2x of the forward, all 12 points (forward / {op}, "
+                            f"worst: {worst[1]:.0%}, B = {worst[2]})", worst[0], 0.5, src))
+    wall = {r["method"]: float(r["eager_us"]) for r in rows if r["op"] == "forward_1000_calls_wall"}
+    if wall:
+        out.append(Check(3, "eager 90%, B = 1: 1000 calls, wall time x F.linear",
+                         wall["dense"] / wall["snack"], 1.0, src))
+    return out
+
+
+def layer_checks(path: Path = LAYER_CSV) -> List[Check]:
+    """#4's targets: the layer's training step (forward + backward + Adam) and inference."""
+    rows = _rows(path)
+    L = defaultdict(dict)
+    for r in rows:
+        L[(r["phase"], int(r["B"]))][r["method"]] = r
+    src = _source(path, rows[0], "device_name")
+
+    def x(phase, B, other, key):
+        return float(L[(phase, B)][other][key]) / float(L[(phase, B)]["snack"][key])
+
+    out = [Check(4, "training B = 32, graph: x Dense+Mask", x("train", 32, "densemask", "graph_us"), 10, src),
+           Check(4, "training B = 32, graph: x dense", x("train", 32, "dense", "graph_us"), 4, src),
+           Check(4, "training B = 32, eager: x dense", x("train", 32, "dense", "eager_us"), 3, src)]
+    for B in (1, 8, 32):
+        out.append(Check(4, f"inference B = {B}, graph: x Dense+Mask", x("infer", B, "densemask", "graph_us"), 6, src))
+        out.append(Check(4, f"inference B = {B}, graph: x dense", x("infer", B, "dense", "graph_us"), 3, src))
+    for B in (1, 8, 32):
+        out.append(Check(4, f"training B = {B}: peak memory, dense / SNACK (<= 20% of dense)",
+                         x("train", B, "dense", "peak_mb"), 5, src))
+    for B in (1, 8, 32):
+        out.append(Check(4, f"training B = {B}: energy per step, dense / SNACK (<= 25% of dense)",
+                         x("train", B, "dense", "energy_mj"), 4, src))
+    return out
+
+
+def kernel_cold_checks(kernels: Path = KERNELS_COLD_CSV) -> List[Check]:
+    """#3's forward speed-up targets read on the cold-L2 timings (`bench_cold.py`)."""
+    out = []
+    rows = _rows(kernels)
+    c = defaultdict(dict)
+    for r in rows:
+        c[(float(r["sparsity"]), int(r["batch"]))][r["method"]] = float(r["cold_us"])
+    src = _source(kernels, rows[0], "gpu")
+    wanted = [(0.95, B, "dense_mask", "Dense+Mask", 10) for B in (1, 8, 32)]
+    wanted += [(0.9, B, "dense", "dense", 3) for B in (1, 8, 32)]
+    wanted += [(sp, B, "cusparse_csr", "cuSPARSE", 1.5) for sp in (0.9, 0.95, 0.99) for B in (1, 8, 32, 128)]
+    for sp, B, base, what, need in wanted:
+        if (sp, B) in c:
+            out.append(Check(3, f"cold L2, forward {sp:.0%}, B = {B}: x {what}",
+                             c[(sp, B)][base] / c[(sp, B)]["snack"], need, src))
+    return out
+
+
+def layer_cold_checks(layer: Path = LAYER_COLD_CSV) -> List[Check]:
+    """#4's speed-up targets read on the cold-L2 timings (`bench_layer.py --cold_l2`)."""
+    out = []
+    rows = _rows(layer)
+    Lc = defaultdict(dict)
+    for r in rows:
+        Lc[(r["phase"], int(r["B"]))][r["method"]] = float(r["graph_cold_us"])
+    src = _source(layer, rows[0], "device_name")
+    wanted = [("train", 32, "densemask", "Dense+Mask", 10), ("train", 32, "dense", "dense", 4)]
+    wanted += [("infer", B, base, what, need) for B in (1, 8, 32)
+               for base, what, need in (("densemask", "Dense+Mask", 6), ("dense", "dense", 3))]
+    for phase, B, base, what, need in wanted:
+        out.append(Check(4, f"cold L2, {'training' if phase == 'train' else 'inference'} B = {B}: x {what}",
+                         Lc[(phase, B)][base] / Lc[(phase, B)]["snack"], need, src))
+    return out
+
+
+def lines(checks: List[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    body = [f"{'met    ' if c.met else 'NOT met'}  #{c.issue}  {c.name:{width}s}  {c.show(c.value):>7s} "
+            f"(target {c.show(c.target)})" for c in checks]
+    body.append(f"met: {sum(c.met for c in checks)} of {len(checks)}")
+    return "\n".join(body)
+
+
+def markdown(checks: List[Check]) -> str:
+    """A markdown table: one row per target, the sources listed under it."""
+    out = ["| issue | what | measured | target | met |", "| --- | --- | --- | --- | --- |"]
+    for c in checks:
+        out.append(f"| #{c.issue} | {c.name} | {c.show(c.value)} | {c.show(c.target)} | "
+                   f"{'yes' if c.met else '**no**'} |")
+    sources = sorted({c.source for c in checks})
+    out.append("")
+    out.append(f"{sum(c.met for c in checks)} of {len(checks)} met. Measured: " + "; ".join(sources) + ".")
+    return "\n".join(out)
+
+
+def main(argv: Optional[List[str]] = None) -> List[Check]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--markdown", action="store_true", help="print the README's markdown table")
+    ap.add_argument("--cold", action="store_true", help="read the targets on the cold-L2 CSVs")
+    ap.add_argument("--kernels-csv", type=Path, default=None)
+    ap.add_argument("--layer-csv", type=Path, default=None)
+    a = ap.parse_args(argv)
+    if a.cold:
+        checks = (kernel_cold_checks(a.kernels_csv or KERNELS_COLD_CSV)
+                  + layer_cold_checks(a.layer_csv or LAYER_COLD_CSV))
+    else:
+        checks = kernel_checks(a.kernels_csv or KERNELS_CSV) + layer_checks(a.layer_csv or LAYER_CSV)
+    print(markdown(checks) if a.markdown else lines(checks))
+    return checks
+
+
+if __name__ == "__main__":
+    main()
