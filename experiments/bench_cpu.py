@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numba
 import torch
+from tqdm import tqdm
 
 from snack.core import COO
 from snack.core import cpu
@@ -134,6 +135,7 @@ def main(argv=None) -> list:
                 commit=git_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 loadavg_1min=round(os.getloadavg()[0], 2))
     rows = []
+    bar = tqdm(total=3 * len(args.batch_list), desc="bench_cpu", unit="op", file=sys.stderr)
     for B in args.batch_list:
         x = torch.randn(B, n_in)
         dy = torch.randn(B, n_out)
@@ -155,7 +157,9 @@ def main(argv=None) -> list:
                       "dense": lambda: torch.mm(dy.t(), x, out=gw_dense)},
         }
         for op, fns in ops.items():
+            bar.set_postfix_str(f"B = {B}, {op}")
             t = bench_blocks(fns, args.rounds, args.repeats, args.warmup)
+            bar.update()
             med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
             mins = {k: min(v) * 1e3 for k, v in t.items()}
             rows.append(dict(op=op, B=B, in_features=n_in, out_features=n_out, sparsity=args.sparsity,
@@ -167,6 +171,7 @@ def main(argv=None) -> list:
                              ratio_csr_over_snack=(round(med["torch_csr"] / med["snack"], 3)
                                                    if "torch_csr" in med else ""),
                              **meta))
+    bar.close()
     print(f"{meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, numba {meta['numba']}, "
           f"commit {meta['commit']}, load {meta['loadavg_1min']}")
     print(f"W {n_out} x {n_in}, sparsity {args.sparsity}, nnz {w.nnz}, float32, "

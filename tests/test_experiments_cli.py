@@ -396,7 +396,7 @@ def test_bench_cpu_checks_the_sddmm(monkeypatch):
         bench_cpu.check_ops(x, dy, topo, vals, wd)
 
 
-def test_bench_cpu_tiny_run_writes_every_op(tmp_path):
+def test_bench_cpu_tiny_run_writes_every_op(tmp_path, capsys):
     import warnings
     from experiments import bench_cpu
     out = tmp_path / "cpu.csv"
@@ -407,6 +407,7 @@ def test_bench_cpu_tiny_run_writes_every_op(tmp_path):
     with open(out, newline="") as f:
         ops = [(r["op"], r["B"]) for r in csv.DictReader(f)]
     assert ops == [(op, B) for B in ("1", "3") for op in ("forward", "dX", "SDDMM")]
+    assert "bench_cpu: 100%" in capsys.readouterr().err  # the progress bar, on stderr, to its end
 
 
 def test_train_ddp_command_line(capsys):
