@@ -56,34 +56,55 @@ def _source(path: Path, row: dict, gpu_key: str) -> str:
     return f"`{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}` at `{row['commit']}`, {row[gpu_key]}"
 
 
+# The speed-up targets, read warm and cold: (sparsity, B, baseline method, its name, target) for
+# the forward of #3; (phase, B, baseline method, its name, target) for the layer of #4.
+FORWARD_SPEEDUPS = ([(0.95, B, "dense_mask", "Dense+Mask", 10) for B in (1, 8, 32)]
+                    + [(0.9, B, "dense", "dense", 3) for B in (1, 8, 32)]
+                    + [(sp, B, "cusparse_csr", "cuSPARSE", 1.5) for sp in (0.9, 0.95, 0.99)
+                       for B in (1, 8, 32, 128)])
+LAYER_SPEEDUPS = ([("train", 32, "densemask", "Dense+Mask", 10), ("train", 32, "dense", "dense", 4)]
+                  + [("infer", B, base, what, need) for B in (1, 8, 32)
+                     for base, what, need in (("densemask", "Dense+Mask", 6), ("dense", "dense", 3))])
+
+
+def _by_point(rows, key, field=None):
+    """{key(row): {method: row, or float(row[field])}}."""
+    out = defaultdict(dict)
+    for r in rows:
+        out[key(r)][r["method"]] = r if field is None else float(r[field])
+    return out
+
+
+def _forward_speedups(t, src, prefix="") -> List[Check]:
+    return [Check(3, f"{prefix}forward {sp:.0%}, B = {B}: x {what}", t[(sp, B)][base] / t[(sp, B)]["snack"],
+                  need, src) for sp, B, base, what, need in FORWARD_SPEEDUPS if (sp, B) in t]
+
+
+def _layer_speedups(t, src, prefix="") -> List[Check]:
+    return [Check(4, f"{prefix}{'training' if phase == 'train' else 'inference'} B = {B}, graph: x {what}",
+                  t[(phase, B)][base] / t[(phase, B)]["snack"], need, src)
+            for phase, B, base, what, need in LAYER_SPEEDUPS]
+
+
 def kernel_checks(path: Path = KERNELS_CSV) -> List[Check]:
     """#3's targets on the 12 target points (forward, dX, SDDMM, graph time) and the 1000-call
     eager host-overhead test."""
     rows = _rows(path)
-    q = defaultdict(dict)
-    for r in rows:
-        if r["graph_us"]:
-            q[(float(r["sparsity"]), int(r["batch"]), r["op"])][r["method"]] = r
     src = _source(path, rows[0], "gpu")
+    q = _by_point([r for r in rows if r["graph_us"]], lambda r: (float(r["sparsity"]), int(r["batch"]), r["op"]))
 
-    def t(sp, B, method="snack", op="forward"):
-        return float(q[(sp, B, op)][method]["graph_us"])
+    def t(sp, B, op="forward"):
+        return float(q[(sp, B, op)]["snack"]["graph_us"])
 
-    out = []
-    for B in (1, 8, 32):
-        out.append(Check(3, f"forward 95%, B = {B}: x Dense+Mask", t(0.95, B, "dense_mask") / t(0.95, B), 10, src))
-    for B in (1, 8, 32):
-        out.append(Check(3, f"forward 90%, B = {B}: x dense", t(0.9, B, "dense") / t(0.9, B), 3, src))
-    for sp in (0.9, 0.95, 0.99):
-        for B in (1, 8, 32, 128):
-            out.append(Check(3, f"forward {sp:.0%}, B = {B}: x cuSPARSE",
-                             t(sp, B, "cusparse_csr") / t(sp, B), 1.5, src))
+    fwd = {(sp, B): {m: float(r["graph_us"]) for m, r in q[(sp, B, "forward")].items()}
+           for sp, B, op in q if op == "forward"}
+    out = _forward_speedups(fwd, src)
     for B in (1, 8, 32):
         roof = float(q[(0.9, B, "forward")]["snack"]["roofline_frac"])
         out.append(Check(3, f"forward 90%, B = {B}: fraction of the HBM roofline", roof, 0.5, src,
                          percent=True))
     for op in ("dX", "SDDMM"):
-        worst = min(((t(sp, B) / t(sp, B, op=op)), sp, B)
+        worst = min(((t(sp, B) / t(sp, B, op)), sp, B)
                     for sp in (0.9, 0.95, 0.99) for B in (1, 8, 32, 128))
         out.append(Check(3, f"{op} within 2x of the forward, all 12 points (forward / {op}, "
                             f"worst: {worst[1]:.0%}, B = {worst[2]})", worst[0], 0.5, src))
@@ -97,62 +118,35 @@ def kernel_checks(path: Path = KERNELS_CSV) -> List[Check]:
 def layer_checks(path: Path = LAYER_CSV) -> List[Check]:
     """#4's targets: the layer's training step (forward + backward + Adam) and inference."""
     rows = _rows(path)
-    L = defaultdict(dict)
-    for r in rows:
-        L[(r["phase"], int(r["B"]))][r["method"]] = r
     src = _source(path, rows[0], "device_name")
+    L = _by_point(rows, lambda r: (r["phase"], int(r["B"])))
 
-    def x(phase, B, other, key):
-        return float(L[(phase, B)][other][key]) / float(L[(phase, B)]["snack"][key])
+    def x(phase, B, key):
+        return float(L[(phase, B)]["dense"][key]) / float(L[(phase, B)]["snack"][key])
 
-    out = [Check(4, "training B = 32, graph: x Dense+Mask", x("train", 32, "densemask", "graph_us"), 10, src),
-           Check(4, "training B = 32, graph: x dense", x("train", 32, "dense", "graph_us"), 4, src),
-           Check(4, "training B = 32, eager: x dense", x("train", 32, "dense", "eager_us"), 3, src)]
-    for B in (1, 8, 32):
-        out.append(Check(4, f"inference B = {B}, graph: x Dense+Mask", x("infer", B, "densemask", "graph_us"), 6, src))
-        out.append(Check(4, f"inference B = {B}, graph: x dense", x("infer", B, "dense", "graph_us"), 3, src))
+    out = _layer_speedups(_by_point(rows, lambda r: (r["phase"], int(r["B"])), "graph_us"), src)
+    out.insert(2, Check(4, "training B = 32, eager: x dense", x("train", 32, "eager_us"), 3, src))
     for B in (1, 8, 32):
         out.append(Check(4, f"training B = {B}: peak memory, dense / SNACK (<= 20% of dense)",
-                         x("train", B, "dense", "peak_mb"), 5, src))
+                         x("train", B, "peak_mb"), 5, src))
     for B in (1, 8, 32):
         out.append(Check(4, f"training B = {B}: energy per step, dense / SNACK (<= 25% of dense)",
-                         x("train", B, "dense", "energy_mj"), 4, src))
+                         x("train", B, "energy_mj"), 4, src))
     return out
 
 
-def kernel_cold_checks(kernels: Path = KERNELS_COLD_CSV) -> List[Check]:
+def kernel_cold_checks(path: Path = KERNELS_COLD_CSV) -> List[Check]:
     """#3's forward speed-up targets read on the cold-L2 timings (`bench_cold.py`)."""
-    out = []
-    rows = _rows(kernels)
-    c = defaultdict(dict)
-    for r in rows:
-        c[(float(r["sparsity"]), int(r["batch"]))][r["method"]] = float(r["cold_us"])
-    src = _source(kernels, rows[0], "gpu")
-    wanted = [(0.95, B, "dense_mask", "Dense+Mask", 10) for B in (1, 8, 32)]
-    wanted += [(0.9, B, "dense", "dense", 3) for B in (1, 8, 32)]
-    wanted += [(sp, B, "cusparse_csr", "cuSPARSE", 1.5) for sp in (0.9, 0.95, 0.99) for B in (1, 8, 32, 128)]
-    for sp, B, base, what, need in wanted:
-        if (sp, B) in c:
-            out.append(Check(3, f"cold L2, forward {sp:.0%}, B = {B}: x {what}",
-                             c[(sp, B)][base] / c[(sp, B)]["snack"], need, src))
-    return out
+    rows = _rows(path)
+    t = _by_point(rows, lambda r: (float(r["sparsity"]), int(r["batch"])), "cold_us")
+    return _forward_speedups(t, _source(path, rows[0], "gpu"), "cold L2, ")
 
 
-def layer_cold_checks(layer: Path = LAYER_COLD_CSV) -> List[Check]:
+def layer_cold_checks(path: Path = LAYER_COLD_CSV) -> List[Check]:
     """#4's speed-up targets read on the cold-L2 timings (`bench_layer.py --cold_l2`)."""
-    out = []
-    rows = _rows(layer)
-    Lc = defaultdict(dict)
-    for r in rows:
-        Lc[(r["phase"], int(r["B"]))][r["method"]] = float(r["graph_cold_us"])
-    src = _source(layer, rows[0], "device_name")
-    wanted = [("train", 32, "densemask", "Dense+Mask", 10), ("train", 32, "dense", "dense", 4)]
-    wanted += [("infer", B, base, what, need) for B in (1, 8, 32)
-               for base, what, need in (("densemask", "Dense+Mask", 6), ("dense", "dense", 3))]
-    for phase, B, base, what, need in wanted:
-        out.append(Check(4, f"cold L2, {'training' if phase == 'train' else 'inference'} B = {B}: x {what}",
-                         Lc[(phase, B)][base] / Lc[(phase, B)]["snack"], need, src))
-    return out
+    rows = _rows(path)
+    t = _by_point(rows, lambda r: (r["phase"], int(r["B"])), "graph_cold_us")
+    return _layer_speedups(t, _source(path, rows[0], "device_name"), "cold L2, ")
 
 
 def lines(checks: List[Check]) -> str:

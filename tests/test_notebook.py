@@ -27,4 +27,4 @@ def test_figures_notebook_runs(tmp_path, monkeypatch):
     # (experiments/targets.py: the kernels' and the layer's, warm and cold: four summaries)
     assert text.count("\nmet: ") == 4, text
     assert "forward 95%, B = 8: x Dense+Mask" in text
-    assert "cold L2, training B = 32: x dense" in text  # the layer's targets on the cold times
+    assert "cold L2, training B = 32, graph: x dense" in text  # the layer's targets on the cold times
