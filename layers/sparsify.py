@@ -201,7 +201,8 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
         sparsity: overall fraction of zero weights over the replaced layers, in [0, 1).
         distribution: "uniform" (each layer at `sparsity`) or "erk" (per-layer densities from
             `snack.core.erk_densities`: small layers denser, same total connections; layers
-            that would exceed density 1 stay fully connected, still as SparseLinear).
+            that would exceed density 1 stay fully connected, still as SparseLinear, whose
+            product then runs as a dense one on its values).
         include: name pattern(s) (fnmatch on the qualified module name, e.g. "encoder.*"; one, or a
             list, tuple or set of them) or callables (name, module) -> bool; only matching layers
             are replaced (default: all). A module attached in several places matches by any of

@@ -352,6 +352,89 @@ def test_autocast_cpu_bf16():
                                atol=1e-4, rtol=1e-4)
 
 
+# ---- every connection present: F.linear on the values ------------------------------------------
+
+
+def _no_sparse_ops(monkeypatch):
+    """Makes the backend's ops and the sparse autograd Function fail if called."""
+    from snack.layers import functional as fn
+
+    def boom(*a, **k):
+        raise AssertionError("a sparse op ran for a full pattern")
+    for name in ("spmm", "spmm_t", "sddmm", "backward"):
+        monkeypatch.setattr(backend, name, boom)
+    monkeypatch.setattr(fn, "_apply", boom)
+
+
+@pytest.mark.parametrize("lead,with_bias", [((5,), True), ((2, 3), False), ((), True)])
+def test_full_pattern_runs_as_a_dense_product_of_the_values(monkeypatch, lead, with_bias):
+    out_f, in_f = 7, 9
+    idx, vals = _coo(out_f, in_f, density=1.0, seed=21)
+    assert idx.shape[1] == out_f * in_f
+    g = _gen(22)
+    x = torch.randn(*lead, in_f, generator=g, dtype=torch.float64)
+    b = torch.randn(out_f, generator=g, dtype=torch.float64) if with_bias else None
+    dy = torch.randn(*lead, out_f, generator=g, dtype=torch.float64)
+    xs, vs = x.clone().requires_grad_(), vals.clone().requires_grad_()
+    bs = b.clone().requires_grad_() if with_bias else None
+    backend.get_topology(idx, (out_f, in_f))  # built before the ops are taken away
+    _no_sparse_ops(monkeypatch)
+    y = sparse_linear(xs, idx, vs, out_f, bs)
+    y.backward(dy)
+    w = _dense(idx, vals, out_f, in_f).requires_grad_()
+    xd, bd = x.clone().requires_grad_(), (b.clone().requires_grad_() if with_bias else None)
+    yd = F.linear(xd, w, bd)
+    yd.backward(dy)
+    torch.testing.assert_close(y, yd, atol=F64_ATOL, rtol=0)
+    torch.testing.assert_close(xs.grad, xd.grad, atol=F64_ATOL, rtol=0)
+    torch.testing.assert_close(vs.grad, w.grad[idx[0].long(), idx[1].long()], atol=F64_ATOL, rtol=0)
+    assert vs.grad.shape == vals.shape
+    if with_bias:
+        torch.testing.assert_close(bs.grad, bd.grad, atol=F64_ATOL, rtol=0)
+
+
+def test_full_pattern_gradcheck_and_layer_at_sparsity_zero(monkeypatch):
+    idx, vals = _coo(4, 5, density=1.0, seed=23)
+    x = torch.randn(3, 5, generator=_gen(24), dtype=torch.float64, requires_grad=True)
+    v = vals.clone().requires_grad_()
+    backend.get_topology(idx, (4, 5))
+    _no_sparse_ops(monkeypatch)
+    assert torch.autograd.gradcheck(lambda x, v: sparse_linear(x, idx, v, 4), (x, v))
+    assert torch.autograd.gradgradcheck(lambda x, v: sparse_linear(x, idx, v, 4), (x, v))
+    layer = snack.SparseLinear(5, 4, sparsity=0.0, dtype=torch.float64)
+    backend.get_topology(layer.indices, (4, 5))
+    torch.testing.assert_close(layer(x), F.linear(x, layer.to_dense(), layer.bias), atol=F64_ATOL, rtol=0)
+
+
+def test_pattern_one_short_of_full_keeps_the_sparse_ops(monkeypatch):
+    idx, vals = _coo(4, 5, density=1.0, seed=25)
+    idx, vals = idx[:, 1:].contiguous(), vals[1:]
+    backend.get_topology(idx, (4, 5))
+    _no_sparse_ops(monkeypatch)
+    with pytest.raises(AssertionError, match="a sparse op ran"):
+        sparse_linear(torch.randn(2, 5, dtype=torch.float64), idx, vals, 4)
+
+
+def test_full_count_with_a_repeated_coordinate_is_refused():
+    idx, vals = _coo(3, 4, density=1.0, seed=26)
+    bad = idx.clone()
+    bad[1, 1] = bad[1, 0]   # (0, 0) twice, (0, 1) missing: still 12 entries
+    with pytest.raises(ValueError):
+        sparse_linear(torch.randn(2, 4, dtype=torch.float64), bad, vals, 3)
+
+
+def test_full_pattern_under_cpu_autocast_is_bf16_like_the_sparse_path():
+    idx, vals = _coo(6, 8, density=1.0, seed=27, dtype=torch.float32)
+    x = torch.randn(5, 8, generator=_gen(28))
+    v = vals.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = sparse_linear(x, idx, v, 6)
+    assert y.dtype == torch.bfloat16
+    assert_close_dtype(y, F.linear(x.double(), _dense(idx, vals, 6, 8).double()), torch.bfloat16)
+    y.float().sum().backward()
+    assert v.grad.dtype == torch.float32
+
+
 def test_autocast_on_a_backend_with_mixed_values_casts_only_x(monkeypatch):
     # on CUDA, a backend whose kernels read float32 values next to half activations (the GPU
     # backend: `mixed_values`) gets x cast and the values and bias as they are; any other backend,
