@@ -29,7 +29,7 @@ import torch.nn as nn
 from snack.core import erk_densities
 from .linear import SparseLinear, _check_sparsity
 
-__all__ = ["sparsify", "SparsifySummary", "LayerRow", "last_summary"]
+__all__ = ["sparsify", "densify", "SparsifySummary", "LayerRow", "last_summary"]
 
 Pattern = Union[str, Callable[[str, nn.Module], bool]]
 
@@ -186,8 +186,36 @@ def _matches(patterns: List[Pattern], name: str, module: nn.Module) -> bool:
     return False
 
 
+def _selected(inc: List[Pattern], exc: List[Pattern], names: List[str], m: nn.Module) -> bool:
+    """A module reachable by `names` passes include (if given) and no exclude pattern."""
+    return not ((inc and not any(_matches(inc, n, m) for n in names))
+                or (exc and any(_matches(exc, n, m) for n in names)))
+
+
+def _warn_unmatched(fn: str, inc: List[Pattern], exc: List[Pattern], names: List[str], what: str) -> None:
+    """One warning per include / exclude name pattern that matches none of the candidate names."""
+    for label, patterns in (("include", inc), ("exclude", exc)):
+        for q in patterns:
+            if isinstance(q, str) and not any(fnmatch.fnmatchcase(n, q) for n in names):
+                warnings.warn(f"{fn}: the {label} pattern {q!r} matches no {what} module "
+                              f"(their names: {', '.join(names[:8]) or 'none'}"
+                              f"{', ...' if len(names) > 8 else ''})", stacklevel=3)
+
+
 def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def _replace(model: nn.Module, replaced: dict) -> nn.Module:
+    """Puts replaced[id(m)] wherever module m is attached in model (every place, for a module
+    attached in several); returns the model, or its replacement when it is itself replaced."""
+    if id(model) in replaced:
+        return replaced[id(model)]
+    for _, parent in model.named_modules(remove_duplicate=False):
+        for cname, child in list(parent._modules.items()):
+            if child is not None and id(child) in replaced:
+                setattr(parent, cname, replaced[id(child)])
+    return model
 
 
 def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "uniform",
@@ -242,7 +270,7 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
         seen.add(id(m))
         names = names_of.get(id(m), [name])
         linear_names += names
-        if (inc and not any(_matches(inc, n, m) for n in names)) or (exc and any(_matches(exc, n, m) for n in names)):
+        if not _selected(inc, exc, names, m):
             continue
         kind, w, b = d
         if len(owners.get(id(getattr(m, "weight")), ())) > 1:
@@ -259,12 +287,7 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
         chosen.append((name, m, kind, w, b))
     if unexpected:
         warnings.warn("sparsify left these layers dense:\n  " + "\n  ".join(unexpected), stacklevel=2)
-    for label, patterns in (("include", inc), ("exclude", exc)):
-        for q in patterns:
-            if isinstance(q, str) and not any(fnmatch.fnmatchcase(n, q) for n in linear_names):
-                warnings.warn(f"sparsify: the {label} pattern {q!r} matches no nn.Linear / Conv1D module "
-                              f"(their names: {', '.join(linear_names[:8]) or 'none'}"
-                              f"{', ...' if len(linear_names) > 8 else ''})", stacklevel=2)
+    _warn_unmatched("sparsify", inc, exc, linear_names, "nn.Linear / Conv1D")
     if not linear_names and any(isinstance(m, SparseLinear) for m in model.modules()):
         warnings.warn("sparsify: the model holds no dense nn.Linear / Conv1D left to replace (it is "
                       "sparse already; to change a SparseLinear's sparsity, rebuild it with "
@@ -289,6 +312,8 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
                 new.bias = nn.Parameter(b.detach().clone(), requires_grad=b.requires_grad)
         new.values.requires_grad_(getattr(m, "weight").requires_grad)
         new.train(m.training)
+        if kind == "Conv1D":
+            new._dense_class = type(m)  # what `densify` makes of it again
         replaced[id(m)] = new
         wb = w.numel() * w.element_size()
         report.rows.append(LayerRow(
@@ -298,14 +323,8 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
             bytes_before=wb + _nbytes(b),
             bytes_after=_nbytes(new.values) + _nbytes(new.indices) + _nbytes(b)))
 
-    result = model
-    if id(model) in replaced:
-        result = replaced[id(model)]
-    else:
-        for pname, parent in model.named_modules(remove_duplicate=False):
-            for cname, child in list(parent._modules.items()):
-                if child is not None and id(child) in replaced:
-                    setattr(parent, cname, replaced[id(child)])
+    result = _replace(model, replaced)
+    if result is model:
         _leave_transformer_fast_path(model)
     last_summary = report
     sparsify.last_summary = report  # also reachable as snack.sparsify.last_summary
@@ -313,3 +332,82 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
 
 
 sparsify.last_summary = None
+
+
+def _dense_module(layer: SparseLinear) -> nn.Module:
+    """The dense module computing what `layer` computes: an nn.Linear, or the transformers Conv1D
+    that `sparsify` made the layer from (weight stored (in, out))."""
+    w = layer.to_dense().detach()
+    b = layer.bias
+    cls = getattr(layer, "_dense_class", None)
+    if cls is not None:
+        new = cls(layer.out_features, layer.in_features)  # Conv1D(nf, nx)
+        new.to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            new.weight.copy_(w.t())
+            if b is None:
+                new.bias.zero_()
+            else:
+                new.bias.copy_(b.detach())
+    else:
+        new = torch.nn.utils.skip_init(nn.Linear, layer.in_features, layer.out_features, bias=b is not None,
+                                       device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            new.weight.copy_(w)
+            if b is not None:
+                new.bias.copy_(b.detach())
+    new.weight.requires_grad_(layer.values.requires_grad)
+    if b is not None:
+        new.bias.requires_grad_(b.requires_grad)
+    new.train(layer.training)
+    return new
+
+
+def densify(model: nn.Module, *, include: Union[None, Pattern, Sequence[Pattern]] = None,
+            exclude: Union[None, Pattern, Sequence[Pattern]] = None) -> nn.Module:
+    """Replaces the model's SparseLinear modules by dense ones, in place: the way back from
+    `sparsify`, for export to tools that do not know SNACK (ONNX, an evaluation harness, a
+    checkpoint for the original model class).
+
+    Each SparseLinear becomes an nn.Linear whose weight is `layer.to_dense()` (zeros where there
+    is no connection), or, for a layer that `sparsify` made from transformers' Conv1D, a Conv1D
+    again (weight (in, out)), so that the state_dict loads into the original model. Bias, device,
+    dtype, requires_grad and training mode are kept; the outputs are those of the sparse layer
+    (within rounding). This allocates every layer's dense weight: it is for the end of training.
+
+    Args:
+        model: any nn.Module. If it is itself a SparseLinear, its dense module is returned.
+        include / exclude: as in `sparsify`: name patterns or callables choosing the layers.
+    Layers with hooks are left sparse, with a warning: a DST object (`snack.dst.RigL`) keeps a
+    forward hook on every layer; call its `remove_hooks()` first. An optimizer or DST object
+    holding the old layers' parameters does not follow the replacement.
+    Returns the model (or the new module).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    inc = _as_patterns("include", include)
+    exc = _as_patterns("exclude", exclude)
+    names_of = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(m), []).append(mname)
+    replaced, kept, sparse_names = {}, [], []
+    for name, m in model.named_modules():
+        if not isinstance(m, SparseLinear):
+            continue
+        names = names_of.get(id(m), [name])
+        sparse_names += names
+        if not _selected(inc, exc, names, m):
+            continue
+        why = _unsafe_to_replace(m)
+        if why:
+            kept.append(f"{name}: {why}" + (" (a snack.dst object's: call its remove_hooks())"
+                                              if any(type(h).__name__ == "_CaptureHook"
+                                                     for h in m._forward_hooks.values()) else ""))
+            continue
+        replaced[id(m)] = _dense_module(m)
+    if kept:
+        warnings.warn("densify left these layers sparse:\n  " + "\n  ".join(kept), stacklevel=2)
+    _warn_unmatched("densify", inc, exc, sparse_names, "SparseLinear")
+    if not sparse_names:
+        warnings.warn("densify: the model holds no SparseLinear", stacklevel=2)
+    return _replace(model, replaced)

@@ -4,7 +4,7 @@ Weights are stored as COO (row, column, value) for their non-zero connections on
 backward and topology changes run on that form (Numba CUDA kernels on the GPU, a compiled CPU
 backend otherwise).
 
-    snack.SparseLinear, snack.sparsify, snack.functional.sparse_linear, snack.COO
+    snack.SparseLinear, snack.sparsify, snack.densify, snack.functional.sparse_linear, snack.COO
     snack.dst.SET / snack.dst.RigL (dynamic sparse training, when installed)
     snack.optim.Adam / snack.optim.AdamW (torch's Adam with a fused full-occupancy GPU step)
 `snack.functional`, `snack.dst` and `snack.optim` are aliases of `snack.layers.functional`,
@@ -16,7 +16,7 @@ import sys as _sys
 from snack.core import COO
 from snack.layers import functional, optim
 from snack.layers.linear import SparseLinear
-from snack.layers.sparsify import sparsify
+from snack.layers.sparsify import densify, sparsify
 
 _sys.modules.setdefault(__name__ + ".functional", functional)
 _sys.modules.setdefault(__name__ + ".optim", optim)
@@ -30,6 +30,6 @@ else:
     _sys.modules.setdefault(__name__ + ".dst", dst)
 
 __version__ = "0.1.0"
-__all__ = ["COO", "SparseLinear", "sparsify", "functional", "optim", "__version__"]
+__all__ = ["COO", "SparseLinear", "sparsify", "densify", "functional", "optim", "__version__"]
 if "dst" in globals():
     __all__.append("dst")

@@ -49,6 +49,11 @@ def test_readme_python_examples_run_and_do_what_they_say():
     model = ns["model"]
     sparse = [m for m in model if isinstance(m, snack.SparseLinear)]
     assert len(sparse) == 3 and not any(type(m) is nn.Linear for m in model)
+    exported = ns["exported"]   # densify on a copy: nn.Linear with the sparse layers' weights
+    dense_layers = [m for m in exported if isinstance(m, nn.Linear)]
+    assert len(dense_layers) == 3 and not any(isinstance(m, snack.SparseLinear) for m in exported)
+    for d, s in zip(dense_layers, sparse):
+        assert torch.equal(d.weight, s.to_dense().detach()) and torch.equal(d.bias, s.bias)
     W = ns["W"]
     assert tuple(W.shape) == (512, 1024) and W.indices.shape[1] == layer.values.numel()
     torch.testing.assert_close(torch.as_tensor(W.to_scipy("csr").toarray()), layer.to_dense().detach())

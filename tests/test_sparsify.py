@@ -302,3 +302,96 @@ def test_a_shared_module_matches_by_any_of_its_names():
     model = nn.Sequential(nn.Sequential(shared), nn.ReLU(), nn.Sequential(shared), nn.Linear(6, 2))
     sparsify(model, 0.5, exclude=["2.0"])
     assert model[0][0] is shared and isinstance(model[3], SparseLinear)
+
+
+# ---- densify: the way back -----------------------------------------------------------------------
+
+
+def test_densify_mlp_round_trip_keeps_outputs_weights_and_flags():
+    model = _mlp(7)
+    dense = [m.weight.detach().clone() for m in model if isinstance(m, nn.Linear)]
+    sparsify(model, 0.8)
+    model[0].values.requires_grad_(False)
+    model.eval()
+    x = torch.randn(5, 20, dtype=torch.float64)
+    y_sparse = model(x)
+    layers = [m for m in model if isinstance(m, SparseLinear)]
+    assert snack.densify(model) is model
+    assert [type(m) for m in model if not isinstance(m, nn.ReLU)] == [nn.Linear] * 3
+    torch.testing.assert_close(model(x), y_sparse, atol=F64_ATOL, rtol=0)
+    for lin, sl, w in zip([m for m in model if isinstance(m, nn.Linear)], layers, dense):
+        r, c = sl.indices.long()
+        mask = torch.zeros_like(w, dtype=torch.bool)
+        mask[r, c] = True
+        assert torch.equal(lin.weight.detach(), torch.where(mask, w, torch.zeros_like(w)))
+        assert torch.equal(lin.bias.detach(), sl.bias.detach())
+        assert lin.weight.dtype == torch.float64 and not lin.training
+    assert not model[0].weight.requires_grad and model[2].weight.requires_grad
+
+
+def test_densify_conv1d_goes_back_to_conv1d():
+    Conv1D = _make_conv1d_class()
+    torch.manual_seed(3)
+    model = nn.Sequential(Conv1D(36, 12), nn.Tanh(), Conv1D(12, 36))
+    keys = {k: v.shape for k, v in model.state_dict().items()}
+    sparsify(model, 0.5)
+    x = torch.randn(2, 3, 12, dtype=torch.float64)
+    y_sparse = model(x)
+    snack.densify(model)
+    assert type(model[0]) is Conv1D and type(model[2]) is Conv1D
+    assert {k: v.shape for k, v in model.state_dict().items()} == keys   # loads into the original model
+    torch.testing.assert_close(model(x), y_sparse, atol=F64_ATOL, rtol=0)
+
+
+def test_densify_gpt2_state_dict_loads_into_a_fresh_model():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    sparsify(model, 0.9)
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        y_sparse = model(ids).logits
+    snack.densify(model)
+    assert not any(isinstance(m, SparseLinear) for m in model.modules())
+    fresh = transformers.GPT2LMHeadModel(cfg).eval()
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, y_sparse, atol=1e-5, rtol=1e-5)
+    attn = fresh.transformer.h[0].attn.c_attn.weight          # (in, out) = (32, 96), 90% zeros
+    assert attn.shape == (32, 96) and abs(float((attn == 0).float().mean()) - 0.9) < 0.01
+
+
+def test_densify_selection_shared_modules_and_a_bare_layer():
+    shared = SparseLinear(8, 8, sparsity=0.5, dtype=torch.float64)
+    model = nn.Sequential(shared, nn.ReLU(), shared, SparseLinear(8, 3, sparsity=0.5, dtype=torch.float64))
+    snack.densify(model, exclude="3")
+    assert type(model[0]) is nn.Linear and model[0] is model[2]     # replaced once, everywhere
+    assert isinstance(model[3], SparseLinear)
+    snack.densify(model, include=lambda name, m: m.out_features == 3)
+    assert type(model[3]) is nn.Linear
+    bare = SparseLinear(4, 2, sparsity=0.5)
+    lin = snack.densify(bare)
+    assert type(lin) is nn.Linear and torch.equal(lin.weight, bare.to_dense().detach())
+
+
+def test_densify_leaves_hooked_layers_and_names_remove_hooks():
+    model = nn.Sequential(SparseLinear(6, 5, sparsity=0.5), nn.ReLU(), SparseLinear(5, 2, sparsity=0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.RigL(model, opt, update_every=2, total_steps=10)
+    with pytest.warns(UserWarning, match="remove_hooks"):
+        snack.densify(model)
+    assert isinstance(model[0], SparseLinear) and isinstance(model[2], SparseLinear)
+    dst.remove_hooks()
+    snack.densify(model)
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
+
+
+def test_densify_bad_input_and_nothing_to_do():
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        snack.densify("model")
+    with pytest.warns(UserWarning, match="no SparseLinear"):
+        snack.densify(nn.Sequential(nn.Linear(3, 2)))
+    with pytest.warns(UserWarning, match="matches no SparseLinear"):
+        snack.densify(nn.Sequential(SparseLinear(3, 2, sparsity=0.5)), include="nope*")
