@@ -3,7 +3,8 @@
 `write_csv(path, rows)` writes the rows (dicts, the first one's keys as the header unless
 `fieldnames` is given) to a temporary file beside `path` and renames it over `path`, so that a
 crash or a full disk leaves the previous results file whole instead of a truncated one; the
-folder is created when missing. `write_text(path, text)` does the same for a text file.
+folder is created when missing. `write_text(path, text)` does the same for a text file,
+`save_torch(path, obj)` for `torch.save`.
 `git_commit()` is the commit every results row records.
 """
 from __future__ import annotations
@@ -69,3 +70,9 @@ def write_csv(path, rows: List[dict], fieldnames: Optional[Iterable[str]] = None
 def write_text(path, text: str) -> Path:
     """text -> path (atomically); returns the path."""
     return _replace(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def save_torch(path, obj) -> Path:
+    """torch.save(obj) -> path (atomically); returns the path."""
+    import torch
+    return _replace(path, lambda tmp: torch.save(obj, tmp))

@@ -7,7 +7,8 @@ optimizer, learning rate, batch order and number of epochs. Per model it prints 
 `<out_dir>/train_mnist.csv`: test accuracy, training time, parameter and connection counts, the
 bytes of weights (+ indices), gradients and optimizer state counted from the actual tensors, and
 peak memory (CUDA: torch.cuda.max_memory_allocated over the run; CPU: those state bytes plus
-the tensors autograd saves for backward in one step). The run's config goes beside the CSV.
+the tensors autograd saves for backward in one step). The run's config goes beside the CSV, and
+each trained model to `<out_dir>/train_mnist_<model>.pt` (`load_trained(path)` rebuilds it).
 
 By default the connection pattern stays the one chosen at initialisation; `--dst=set` or
 `--dst=rigl` trains the sparse model with snack.dst (prune and regrow every `update_every` steps,
@@ -49,7 +50,7 @@ import snack  # noqa: E402
 from snack.layers.backend import backend_name  # noqa: E402
 from experiments.cuda_workspaces import make_cublas_workspaces  # noqa: E402
 from experiments.data import DatasetNotFoundError, load  # noqa: E402
-from experiments.results_io import git_commit, write_csv, write_text  # noqa: E402
+from experiments.results_io import git_commit, save_torch, write_csv, write_text  # noqa: E402
 
 # ---- config: defaults, overridable with --key=value ------------------------------------------
 DEFAULTS = dict(
@@ -77,6 +78,7 @@ DEFAULTS = dict(
     threads=0,                # torch CPU threads (0: torch's default)
     progress=True,            # tqdm bars
     out_dir="results",        # train_mnist.csv and train_mnist.json go here
+    save=True,                # also <out_dir>/train_mnist_<model>.pt: each trained model (load_trained reads it)
     quick=False,              # a tiny smoke run (see QUICK); explicit --key=value still win
 )
 QUICK = dict(epochs=1, train_limit=3000, test_limit=1000, batch_size=64)
@@ -169,6 +171,18 @@ def lenet_300_100() -> nn.Sequential:
     """LeNet-300-100: 784-300-100-10 with ReLU, torch's default initialisation."""
     return nn.Sequential(nn.Linear(784, 300), nn.ReLU(), nn.Linear(300, 100), nn.ReLU(),
                          nn.Linear(100, 10))
+
+
+def load_trained(path, device="cpu") -> nn.Module:
+    """The model a run saved to `path` (<out_dir>/train_mnist_<model>.pt), ready to evaluate or
+    train on: LeNet-300-100, made sparse for a sparse run (its connections as they were trained,
+    DST updates included)."""
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    model = lenet_300_100()
+    if ckpt["model"] == "sparse":
+        model = snack.sparsify(model, sparsity=0.5)  # any sparsity: load_state_dict takes the saved connections
+    model.load_state_dict(ckpt["state_dict"])
+    return model.to(device).eval()
 
 
 def build(kind: str, init: nn.Module, cfg: dict) -> nn.Module:
@@ -372,6 +386,13 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
         **mem,
         activation_bytes=act,
     )
+    if cfg["save"]:
+        path = Path(cfg["out_dir"]) / f"train_mnist_{kind}.pt"
+        state = model.state_dict()  # (its metadata carries each sparse layer's shape)
+        for k, v in state.items():
+            state[k] = v.detach().cpu()
+        save_torch(path, dict(model=kind, state_dict=state, config=cfg, test_acc=accs[-1]))
+        row["checkpoint"] = str(path)
     if device.type == "cuda":
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
         row["peak_source"] = "torch.cuda.max_memory_allocated"
@@ -461,7 +482,10 @@ def main(argv=None) -> list:
                                           argv=sys.argv[1:] if argv is None else list(argv),
                                           examples=dict(train=int(x_train.shape[0]), test=int(x_test.shape[0])),
                                           wall_time_s=round(wall, 2)), indent=2))
-    print(f"wrote {csv_path} and {json_path}; total wall time {wall:.1f} s")
+    saved = [r["checkpoint"] for r in rows if r.get("checkpoint")]
+    print(f"wrote {csv_path} and {json_path}" + (f" and the trained models ({', '.join(saved)}: "
+                                                   "experiments.train_mnist.load_trained reads them)" if saved else "")
+          + f"; total wall time {wall:.1f} s")
     return rows
 
 

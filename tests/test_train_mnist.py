@@ -62,6 +62,22 @@ def test_quick_run_learns(quick_run):
         assert float(r["final_train_loss"]) < 2.0  # started near ln(10) = 2.30
 
 
+def test_quick_run_saves_models_that_load_back(quick_run):
+    """Each trained model is saved; load_trained rebuilds it with the same test accuracy (the
+    sparse one as SparseLinear layers with the trained connections)."""
+    from experiments import train_mnist as tm
+    import snack
+    rows, meta, stdout = quick_run
+    x, y = tm.load("mnist", "test", limit=meta["config"]["test_limit"], device=torch.device("cpu"))
+    for name, r in rows.items():
+        model = tm.load_trained(r["checkpoint"])
+        assert tm.evaluate(model, x, y) == pytest.approx(float(r["test_acc"]), abs=1e-9), name
+        layers = [m for m in model if isinstance(m, (nn.Linear, snack.SparseLinear))]
+        assert all(isinstance(m, snack.SparseLinear if name == "sparse" else nn.Linear) for m in layers)
+        assert sum(getattr(m, "nnz", 0) or m.weight.numel() for m in layers) == int(r["connections"])
+    assert "load_trained" in stdout
+
+
 def test_quick_run_is_truly_sparse(quick_run):
     rows, _, _ = quick_run
     dense, sparse = rows["dense"], rows["sparse"]
@@ -91,6 +107,18 @@ def test_quick_run_with_dynamic_sparse_training(tmp_path, dst):
     assert r["test_acc"] > 0.5, f"{dst}: test accuracy {r['test_acc']:.3f}"
     with open(tmp_path / "train_mnist.csv") as f:
         assert next(csv.DictReader(f))["dst"] == dst
+    # the saved model holds the connections DST left, not the initial ones
+    model = tm.load_trained(r["checkpoint"])
+    assert sum(m.nnz for m in model if hasattr(m, "nnz")) == r["connections"]
+    assert tm.evaluate(model, *tm.load("mnist", "test", limit=1000, device=torch.device("cpu"))) == \
+        pytest.approx(r["test_acc"], abs=1e-9)
+
+
+def test_save_false_writes_no_model(tmp_path):
+    from experiments import train_mnist as tm
+    (r,) = tm.main(["--quick", "--models=sparse", "--train_limit=256", "--test_limit=64", "--save=false",
+                    "--progress=false", "--device=cpu", f"--out_dir={tmp_path}"])
+    assert "checkpoint" not in r and not list(tmp_path.glob("*.pt"))
 
 
 @pytest.mark.parametrize("dst_end,updates", [(1.0, 3), (0.5, 1)])
