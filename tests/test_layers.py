@@ -950,3 +950,45 @@ def test_bias_gradient_cache_not_filled_under_capture():
     g.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(got, dy.sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_full_pattern_layer_and_densify_match_float64_eager_and_captured():
+    """A layer holding every connection runs as a dense product of its values on the GPU too:
+    eager and CUDA-graph forward + backward against float64 on the CPU; densify's nn.Linear gives
+    the same outputs."""
+    torch.manual_seed(13)
+    layer = SparseLinear(96, 64, sparsity=0.0, device="cuda")
+    ref = copy.deepcopy(layer).cpu().double()
+    x = torch.randn(8, 96, device="cuda")
+    y = layer(x)
+    y.pow(2).sum().backward()
+    ref(x.cpu().double()).pow(2).sum().backward()
+    for got, want in ((y, ref(x.cpu().double())), (layer.values.grad, ref.values.grad), (layer.bias.grad, ref.bias.grad)):
+        assert ((got.double().cpu() - want).norm() / want.norm()).item() < 1e-5
+    snack.functional.settle_autograd()
+    static_x = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            layer.zero_grad(set_to_none=False)
+            layer(static_x).pow(2).sum().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    snack.functional.settle_autograd()
+    g = torch.cuda.CUDAGraph()
+    layer.zero_grad(set_to_none=False)
+    with torch.cuda.graph(g):
+        static_y = layer(static_x)
+        static_y.pow(2).sum().backward()
+    x2 = torch.randn(8, 96, device="cuda")
+    static_x.copy_(x2)
+    layer.zero_grad(set_to_none=False)
+    g.replay()
+    ref.zero_grad()
+    ref(x2.cpu().double()).pow(2).sum().backward()
+    assert ((layer.values.grad.double().cpu() - ref.values.grad).norm() / ref.values.grad.norm()).item() < 1e-5
+    dense = snack.densify(copy.deepcopy(layer))
+    assert type(dense) is nn.Linear and dense.weight.is_cuda
+    torch.testing.assert_close(dense(x2), layer(x2), atol=1e-5, rtol=1e-5)
