@@ -18,7 +18,8 @@ Run without torchrun it trains in one process.
 Options (--key=value): epochs, batch_size (global), lr, sparsity, distribution (erk/uniform),
 dst (rigl/set/none), update_every, drop_fraction, train_limit (0: all 60000), seed, device
 (auto/cpu), progress, out_dir (rank 0 writes <out_dir>/train_ddp.json: config, environment, per-epoch
-loss / accuracy / agreement), quick (1 epoch on 4000 examples, update_every 10, for what is not
+loss / accuracy / agreement; and, unless --save=false, the trained model to
+<out_dir>/train_ddp_model.pt, which `experiments.train_mnist.load_trained` reads), quick (1 epoch on 4000 examples, update_every 10, for what is not
 given).
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 import snack  # noqa: E402
 from experiments.data import DatasetNotFoundError, load  # noqa: E402
-from experiments.results_io import write_text  # noqa: E402
+from experiments.results_io import save_torch, write_text  # noqa: E402
 from experiments.train_mnist import environment, evaluate, lenet_300_100  # noqa: E402
 
 
@@ -59,6 +60,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
     p.add_argument("--progress", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
     p.add_argument("--out_dir", default=str(ROOT / "results"), help="where rank 0 writes train_ddp.json")
+    p.add_argument("--save", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+                   help="rank 0 also saves the trained model to <out_dir>/train_ddp_model.pt")
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
     # --quick fills in only what was not given
@@ -174,6 +177,12 @@ def main(argv=None) -> dict:
         if lead:
             path = Path(a.out_dir) / "train_ddp.json"
             path.parent.mkdir(parents=True, exist_ok=True)
+            if a.save:  # the checkpoint format of train_mnist.py (load_trained reads both)
+                state = model.state_dict()
+                for k, v in state.items():
+                    state[k] = v.detach().cpu()
+                res["checkpoint"] = str(save_torch(Path(a.out_dir) / "train_ddp_model.pt", dict(
+                    model="sparse", state_dict=state, config=vars(a), test_acc=res["test_acc"])))
             write_text(path, json.dumps(dict(config=vars(a), backend=dist.get_backend() if world > 1 else "",
                                              environment=environment(device), epochs=epochs, **res), indent=2))
             print(f"done: test accuracy {res['test_acc']:.4f}, {res['nnz']} connections, {updates} DST update(s); "

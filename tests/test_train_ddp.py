@@ -41,3 +41,10 @@ def test_two_ranks_learn_and_stay_identical(dst, tmp_path):
     assert meta["world"] == 2 and meta["backend"] == "gloo" and meta["identical"] is True
     assert meta["config"]["dst"] == dst and len(meta["epochs"]) == 1
     assert meta["epochs"][0]["test_acc"] == meta["test_acc"] == float(done.group(1))
+    # rank 0's saved model: the trained connections and the same test accuracy
+    import torch
+    from experiments.train_mnist import evaluate, load_trained
+    from experiments.data import load
+    model = load_trained(meta["checkpoint"])
+    assert sum(m.nnz for m in model if hasattr(m, "nnz")) == int(done.group(2))
+    assert evaluate(model, *load("mnist", "test", device=torch.device("cpu"))) == pytest.approx(meta["test_acc"], abs=1e-9)
