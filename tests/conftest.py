@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import zlib
 
 import numpy as np
@@ -64,6 +65,14 @@ def assert_close_dtype(actual: torch.Tensor, expected: torch.Tensor, dtype: torc
     rtol, atol = tolerance(dtype or actual.dtype)
     torch.testing.assert_close(actual.detach().to(torch.float64), expected.detach().to(torch.float64),
                                rtol=rtol, atol=atol, **kw)
+
+
+def real_cuda_env(**extra) -> dict:
+    """os.environ for a child process that must see the real CUDA target (the simulator switch
+    NUMBA_ENABLE_CUDASIM, which another test may have set in this process, left out)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env.update(extra)
+    return env
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import real_cuda_env
+
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 ROOT = WORKER.parents[1]
 
@@ -23,7 +25,7 @@ def run(scenario, world, tmp_path, timeout=300, backend="gloo"):
     out = tmp_path / f"{scenario}_{world}_{backend}"
     out.mkdir()
     init = tmp_path / f"{scenario}_{world}_{backend}_init"
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM",)}
+    env = real_cuda_env()
     if backend == "gloo":  # the CPU only
         env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

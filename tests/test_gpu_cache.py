@@ -2,7 +2,6 @@
 processes), its files (CPU), and on the GPU a second process that loads every kernel the first one
 compiled and gets the same bits."""
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -11,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from snack.gpu import cache
+
+from conftest import real_cuda_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ print(json.dumps({"keys": keys, "other": other, "compiled": len(compiled), "afte
 
 
 def test_keys_are_the_same_in_every_process_and_distinct_for_every_variant():
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = real_cuda_env()
     runs = []
     for seed in ("1", "2"):  # str hashing differs between the two processes
         r = subprocess.run([sys.executable, "-c", KEYS], cwd=ROOT, env=dict(env, PYTHONHASHSEED=seed),
@@ -138,7 +139,7 @@ def _run(env):
 
 @pytest.mark.gpu
 def test_a_second_process_loads_every_kernel_the_first_compiled(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = real_cuda_env()
     env[cache.ENV] = str(tmp_path / "kernels")
     first = _run(env)
     files = sorted((tmp_path / "kernels").glob("*.cubin"))

@@ -1,10 +1,11 @@
 """Every SNACK kernel variant compiles to real sm_90 PTX (numba.cuda.compile_ptx, no GPU needed):
 catches typing errors that the simulator, which runs the kernels as Python, lets through. The
 variants are compiled in one process per core (up to 4)."""
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import real_cuda_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,7 @@ print('compiled', len(res))
 
 
 def test_every_kernel_compiles_to_sm90_ptx():
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = real_cuda_env()
     r = subprocess.run([sys.executable, "-c", CODE], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -61,7 +62,7 @@ def test_device_functions_compile_for_the_requested_capability_and_the_patch_is_
     """A kernel whose device functions NVVM inlines compiles without a GPU for the capability
     asked for, and numba-cuda's current-device lookup is restored after the block, also when the
     block raises."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = real_cuda_env()
     r = subprocess.run([sys.executable, "-c", ONE_VARIANT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

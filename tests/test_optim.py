@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import snack
 from snack.layers.functional import settle_autograd
 
+from conftest import real_cuda_env
+
 
 def _model(device="cpu"):
     torch.manual_seed(0)
@@ -96,7 +98,7 @@ def test_cpu_step_does_not_import_the_gpu_package():
             "o = snack.optim.Adam(m.parameters())\n"
             "m(torch.randn(2, 8)).sum().backward(); o.step()\n"
             "print('snack.gpu' in sys.modules)\n")
-    env = {k: v for k, v in __import__("os").environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = real_cuda_env()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from conftest import real_cuda_env
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "experiments" / "train_ddp.py"
 
@@ -23,7 +25,7 @@ pytestmark = [
 
 @pytest.mark.parametrize("dst", ["rigl", "set"])
 def test_two_ranks_learn_and_stay_identical(dst, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env = real_cuda_env()
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(SCRIPT), "--quick", f"--dst={dst}", "--progress=false", f"--out_dir={tmp_path}"],
