@@ -1,4 +1,4 @@
-"""The performance targets of the kernels (#3) and the layer (#4), read from the committed CSVs.
+"""The performance targets of the kernels and of the layer, read from the committed CSVs.
 
     python experiments/targets.py              # one line per target: met / NOT met, value, target
     python experiments/targets.py --markdown   # the README's table ("Targets at a glance")
@@ -7,7 +7,7 @@
 Every value is a ratio in which larger is better (a speed-up, a fraction of the roofline, dense's
 bytes or energy over SNACK's), so a target is met when value >= target. The targets are read on
 the warm tables (graph replay back to back, `bench_kernels.py --quick`, `bench_layer.py
---optimizer snack-adam`), as the issues state them; `--cold` reads the same ratios on
+--optimizer snack-adam`), as the targets are stated; `--cold` reads the same ratios on
 `bench_cold.py` and `bench_layer.py --cold_l2`, which show what a model sees when other work
 evicts the L2 between calls. The notebook papers/figures.ipynb prints the same checks.
 """
@@ -29,7 +29,7 @@ LAYER_COLD_CSV = ROOT / "results" / "bench_layer_snack_adam_cold_l2.csv"
 
 @dataclass(frozen=True)
 class Check:
-    issue: int      # 3: kernels, 4: the layer
+    part: str       # "kernels" or "layer"
     name: str
     value: float    # larger is better
     target: float
@@ -57,7 +57,7 @@ def _source(path: Path, row: dict, gpu_key: str) -> str:
 
 
 # The speed-up targets, read warm and cold: (sparsity, B, baseline method, its name, target) for
-# the forward of #3; (phase, B, baseline method, its name, target) for the layer of #4.
+# the kernels' forward; (phase, B, baseline method, its name, target) for the layer.
 FORWARD_SPEEDUPS = ([(0.95, B, "dense_mask", "Dense+Mask", 10) for B in (1, 8, 32)]
                     + [(0.9, B, "dense", "dense", 3) for B in (1, 8, 32)]
                     + [(sp, B, "cusparse_csr", "cuSPARSE", 1.5) for sp in (0.9, 0.95, 0.99)
@@ -76,18 +76,18 @@ def _by_point(rows, key, field=None):
 
 
 def _forward_speedups(t, src, prefix="") -> List[Check]:
-    return [Check(3, f"{prefix}forward {sp:.0%}, B = {B}: x {what}", t[(sp, B)][base] / t[(sp, B)]["snack"],
+    return [Check("kernels", f"{prefix}forward {sp:.0%}, B = {B}: x {what}", t[(sp, B)][base] / t[(sp, B)]["snack"],
                   need, src) for sp, B, base, what, need in FORWARD_SPEEDUPS if (sp, B) in t]
 
 
 def _layer_speedups(t, src, prefix="") -> List[Check]:
-    return [Check(4, f"{prefix}{'training' if phase == 'train' else 'inference'} B = {B}, graph: x {what}",
+    return [Check("layer", f"{prefix}{'training' if phase == 'train' else 'inference'} B = {B}, graph: x {what}",
                   t[(phase, B)][base] / t[(phase, B)]["snack"], need, src)
             for phase, B, base, what, need in LAYER_SPEEDUPS]
 
 
 def kernel_checks(path: Path = KERNELS_CSV) -> List[Check]:
-    """#3's targets on the 12 target points (forward, dX, SDDMM, graph time) and the 1000-call
+    """The kernels' targets on the 12 target points (forward, dX, SDDMM, graph time) and the 1000-call
     eager host-overhead test."""
     rows = _rows(path)
     src = _source(path, rows[0], "gpu")
@@ -101,22 +101,22 @@ def kernel_checks(path: Path = KERNELS_CSV) -> List[Check]:
     out = _forward_speedups(fwd, src)
     for B in (1, 8, 32):
         roof = float(q[(0.9, B, "forward")]["snack"]["roofline_frac"])
-        out.append(Check(3, f"forward 90%, B = {B}: fraction of the HBM roofline", roof, 0.5, src,
+        out.append(Check("kernels", f"forward 90%, B = {B}: fraction of the HBM roofline", roof, 0.5, src,
                          percent=True))
     for op in ("dX", "SDDMM"):
         worst = min(((t(sp, B) / t(sp, B, op)), sp, B)
                     for sp in (0.9, 0.95, 0.99) for B in (1, 8, 32, 128))
-        out.append(Check(3, f"{op} within 2x of the forward, all 12 points (forward / {op}, "
+        out.append(Check("kernels", f"{op} within 2x of the forward, all 12 points (forward / {op}, "
                             f"worst: {worst[1]:.0%}, B = {worst[2]})", worst[0], 0.5, src))
     wall = {r["method"]: float(r["eager_us"]) for r in rows if r["op"] == "forward_1000_calls_wall"}
     if wall:
-        out.append(Check(3, "eager 90%, B = 1: 1000 calls, wall time x F.linear",
+        out.append(Check("kernels", "eager 90%, B = 1: 1000 calls, wall time x F.linear",
                          wall["dense"] / wall["snack"], 1.0, src))
     return out
 
 
 def layer_checks(path: Path = LAYER_CSV) -> List[Check]:
-    """#4's targets: the layer's training step (forward + backward + Adam) and inference."""
+    """The layer's targets: its training step (forward + backward + Adam) and inference."""
     rows = _rows(path)
     src = _source(path, rows[0], "device_name")
     L = _by_point(rows, lambda r: (r["phase"], int(r["B"])))
@@ -125,25 +125,25 @@ def layer_checks(path: Path = LAYER_CSV) -> List[Check]:
         return float(L[(phase, B)]["dense"][key]) / float(L[(phase, B)]["snack"][key])
 
     out = _layer_speedups(_by_point(rows, lambda r: (r["phase"], int(r["B"])), "graph_us"), src)
-    out.insert(2, Check(4, "training B = 32, eager: x dense", x("train", 32, "eager_us"), 3, src))
+    out.insert(2, Check("layer", "training B = 32, eager: x dense", x("train", 32, "eager_us"), 3, src))
     for B in (1, 8, 32):
-        out.append(Check(4, f"training B = {B}: peak memory, dense / SNACK (<= 20% of dense)",
+        out.append(Check("layer", f"training B = {B}: peak memory, dense / SNACK (<= 20% of dense)",
                          x("train", B, "peak_mb"), 5, src))
     for B in (1, 8, 32):
-        out.append(Check(4, f"training B = {B}: energy per step, dense / SNACK (<= 25% of dense)",
+        out.append(Check("layer", f"training B = {B}: energy per step, dense / SNACK (<= 25% of dense)",
                          x("train", B, "energy_mj"), 4, src))
     return out
 
 
 def kernel_cold_checks(path: Path = KERNELS_COLD_CSV) -> List[Check]:
-    """#3's forward speed-up targets read on the cold-L2 timings (`bench_cold.py`)."""
+    """The kernels' forward speed-up targets read on the cold-L2 timings (`bench_cold.py`)."""
     rows = _rows(path)
     t = _by_point(rows, lambda r: (float(r["sparsity"]), int(r["batch"])), "cold_us")
     return _forward_speedups(t, _source(path, rows[0], "gpu"), "cold L2, ")
 
 
 def layer_cold_checks(path: Path = LAYER_COLD_CSV) -> List[Check]:
-    """#4's speed-up targets read on the cold-L2 timings (`bench_layer.py --cold_l2`)."""
+    """The layer's speed-up targets read on the cold-L2 timings (`bench_layer.py --cold_l2`)."""
     rows = _rows(path)
     t = _by_point(rows, lambda r: (r["phase"], int(r["B"])), "graph_cold_us")
     return _layer_speedups(t, _source(path, rows[0], "device_name"), "cold L2, ")
@@ -151,7 +151,7 @@ def layer_cold_checks(path: Path = LAYER_COLD_CSV) -> List[Check]:
 
 def lines(checks: List[Check]) -> str:
     width = max(len(c.name) for c in checks)
-    body = [f"{'met    ' if c.met else 'NOT met'}  #{c.issue}  {c.name:{width}s}  {c.show(c.value):>7s} "
+    body = [f"{'met    ' if c.met else 'NOT met'}  {c.part:7s}  {c.name:{width}s}  {c.show(c.value):>7s} "
             f"(target {c.show(c.target)})" for c in checks]
     body.append(f"met: {sum(c.met for c in checks)} of {len(checks)}")
     return "\n".join(body)
@@ -159,9 +159,9 @@ def lines(checks: List[Check]) -> str:
 
 def markdown(checks: List[Check]) -> str:
     """A markdown table: one row per target, the sources listed under it."""
-    out = ["| issue | what | measured | target | met |", "| --- | --- | --- | --- | --- |"]
+    out = ["| part | what | measured | target | met |", "| --- | --- | --- | --- | --- |"]
     for c in checks:
-        out.append(f"| #{c.issue} | {c.name} | {c.show(c.value)} | {c.show(c.target)} | "
+        out.append(f"| {c.part} | {c.name} | {c.show(c.value)} | {c.show(c.target)} | "
                    f"{'yes' if c.met else '**no**'} |")
     sources = sorted({c.source for c in checks})
     out.append("")

@@ -27,7 +27,7 @@ def test_figures_notebook_runs(tmp_path, monkeypatch):
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "best speed-up over Dense+Mask" in text
     assert "memory" in text and "% of dense" in text
-    # every issue target is printed as met / NOT met from the committed CSVs
+    # every performance target is printed as met / NOT met from the committed CSVs
     # (experiments/targets.py: the kernels' and the layer's, warm and cold: four summaries)
     assert text.count("\nmet: ") == 4, text
     assert "forward 95%, B = 8: x Dense+Mask" in text
