@@ -59,17 +59,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("lead,in_f,out_f,density,er,ec", CASES)
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_forward_backward_match_dense(lead, in_f, out_f, density, er, ec, with_bias):
-    idx, vals = _coo(out_f, in_f, density=density, seed=in_f * 31 + out_f, empty_rows=er, empty_cols=ec)
-    g = _gen(7)
+def _check_matches_dense(idx, vals, lead, in_f, out_f, with_bias, seed, before=None):
+    """sparse_linear's output and gradients (x, values, bias) on fresh float64 inputs against F.linear
+    with the dense matrix of (idx, vals); `before()` runs just before the sparse call."""
+    g = _gen(seed)
     x = torch.randn(*lead, in_f, generator=g, dtype=torch.float64)
     b = torch.randn(out_f, generator=g, dtype=torch.float64) if with_bias else None
     dy = torch.randn(*lead, out_f, generator=g, dtype=torch.float64)
 
     xs, vs = x.clone().requires_grad_(), vals.clone().requires_grad_()
     bs = b.clone().requires_grad_() if with_bias else None
+    if before is not None:
+        before()
     y = sparse_linear(xs, idx, vs, out_f, bs)
     y.backward(dy)
 
@@ -86,6 +87,13 @@ def test_forward_backward_match_dense(lead, in_f, out_f, density, er, ec, with_b
     torch.testing.assert_close(vs.grad, w.grad[idx[0].long(), idx[1].long()], atol=F64_ATOL, rtol=0)
     if with_bias:
         torch.testing.assert_close(bs.grad, bd.grad, atol=F64_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("lead,in_f,out_f,density,er,ec", CASES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_forward_backward_match_dense(lead, in_f, out_f, density, er, ec, with_bias):
+    idx, vals = _coo(out_f, in_f, density=density, seed=in_f * 31 + out_f, empty_rows=er, empty_cols=ec)
+    _check_matches_dense(idx, vals, lead, in_f, out_f, with_bias, seed=7)
 
 
 def test_matches_scipy():
@@ -371,26 +379,9 @@ def test_full_pattern_runs_as_a_dense_product_of_the_values(monkeypatch, lead, w
     out_f, in_f = 7, 9
     idx, vals = _coo(out_f, in_f, density=1.0, seed=21)
     assert idx.shape[1] == out_f * in_f
-    g = _gen(22)
-    x = torch.randn(*lead, in_f, generator=g, dtype=torch.float64)
-    b = torch.randn(out_f, generator=g, dtype=torch.float64) if with_bias else None
-    dy = torch.randn(*lead, out_f, generator=g, dtype=torch.float64)
-    xs, vs = x.clone().requires_grad_(), vals.clone().requires_grad_()
-    bs = b.clone().requires_grad_() if with_bias else None
     backend.get_topology(idx, (out_f, in_f))  # built before the ops are taken away
-    _no_sparse_ops(monkeypatch)
-    y = sparse_linear(xs, idx, vs, out_f, bs)
-    y.backward(dy)
-    w = _dense(idx, vals, out_f, in_f).requires_grad_()
-    xd, bd = x.clone().requires_grad_(), (b.clone().requires_grad_() if with_bias else None)
-    yd = F.linear(xd, w, bd)
-    yd.backward(dy)
-    torch.testing.assert_close(y, yd, atol=F64_ATOL, rtol=0)
-    torch.testing.assert_close(xs.grad, xd.grad, atol=F64_ATOL, rtol=0)
-    torch.testing.assert_close(vs.grad, w.grad[idx[0].long(), idx[1].long()], atol=F64_ATOL, rtol=0)
-    assert vs.grad.shape == vals.shape
-    if with_bias:
-        torch.testing.assert_close(bs.grad, bd.grad, atol=F64_ATOL, rtol=0)
+    _check_matches_dense(idx, vals, lead, in_f, out_f, with_bias, seed=22,
+                         before=lambda: _no_sparse_ops(monkeypatch))
 
 
 def test_full_pattern_gradcheck_and_layer_at_sparsity_zero(monkeypatch):
