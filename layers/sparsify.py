@@ -341,21 +341,17 @@ def _dense_module(layer: SparseLinear) -> nn.Module:
     b = layer.bias
     cls = getattr(layer, "_dense_class", None)
     if cls is not None:
-        new = cls(layer.out_features, layer.in_features)  # Conv1D(nf, nx)
-        new.to(device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            new.weight.copy_(w.t())
-            if b is None:
-                new.bias.zero_()
-            else:
-                new.bias.copy_(b.detach())
+        new = cls(layer.out_features, layer.in_features).to(device=w.device, dtype=w.dtype)  # Conv1D(nf, nx)
+        w = w.t()  # stored (in, out)
     else:
         new = torch.nn.utils.skip_init(nn.Linear, layer.in_features, layer.out_features, bias=b is not None,
                                        device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            new.weight.copy_(w)
-            if b is not None:
-                new.bias.copy_(b.detach())
+    with torch.no_grad():
+        new.weight.copy_(w)
+        if b is not None:
+            new.bias.copy_(b.detach())
+        elif new.bias is not None:  # a Conv1D always has one
+            new.bias.zero_()
     new.weight.requires_grad_(layer.values.requires_grad)
     if b is not None:
         new.bias.requires_grad_(b.requires_grad)
