@@ -41,8 +41,8 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 import snack  # noqa: E402
 from experiments.data import DatasetNotFoundError, load  # noqa: E402
-from experiments.results_io import save_torch, write_text  # noqa: E402
-from experiments.train_mnist import environment, evaluate, lenet_300_100  # noqa: E402
+from experiments.results_io import write_text  # noqa: E402
+from experiments.train_mnist import environment, evaluate, lenet_300_100, save_trained  # noqa: E402
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -177,12 +177,9 @@ def main(argv=None) -> dict:
         if lead:
             path = Path(a.out_dir) / "train_ddp.json"
             path.parent.mkdir(parents=True, exist_ok=True)
-            if a.save:  # the checkpoint format of train_mnist.py (load_trained reads both)
-                state = model.state_dict()
-                for k, v in state.items():
-                    state[k] = v.detach().cpu()
-                res["checkpoint"] = str(save_torch(Path(a.out_dir) / "train_ddp_model.pt", dict(
-                    model="sparse", state_dict=state, config=vars(a), test_acc=res["test_acc"])))
+            if a.save:  # train_mnist.py's checkpoint format (load_trained reads both)
+                res["checkpoint"] = str(save_trained(Path(a.out_dir) / "train_ddp_model.pt", model, "sparse",
+                                                     vars(a), res["test_acc"]))
             write_text(path, json.dumps(dict(config=vars(a), backend=dist.get_backend() if world > 1 else "",
                                              environment=environment(device), epochs=epochs, **res), indent=2))
             print(f"done: test accuracy {res['test_acc']:.4f}, {res['nnz']} connections, {updates} DST update(s); "

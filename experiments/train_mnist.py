@@ -173,6 +173,15 @@ def lenet_300_100() -> nn.Sequential:
                          nn.Linear(100, 10))
 
 
+def save_trained(path, model: nn.Module, kind: str, config: dict, test_acc: float) -> Path:
+    """Writes a trained LeNet-300-100 (kind "dense" or "sparse") to `path` whole, in the format
+    `load_trained` reads; returns the path."""
+    state = model.state_dict()  # (its metadata carries each sparse layer's shape)
+    for k, v in state.items():
+        state[k] = v.detach().cpu()
+    return save_torch(path, dict(model=kind, state_dict=state, config=config, test_acc=test_acc))
+
+
 def load_trained(path, device="cpu") -> nn.Module:
     """The model a run saved to `path` (<out_dir>/train_mnist_<model>.pt), ready to evaluate or
     train on: LeNet-300-100, made sparse for a sparse run (its connections as they were trained,
@@ -387,11 +396,7 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
         activation_bytes=act,
     )
     if cfg["save"]:
-        path = Path(cfg["out_dir"]) / f"train_mnist_{kind}.pt"
-        state = model.state_dict()  # (its metadata carries each sparse layer's shape)
-        for k, v in state.items():
-            state[k] = v.detach().cpu()
-        save_torch(path, dict(model=kind, state_dict=state, config=cfg, test_acc=accs[-1]))
+        path = save_trained(Path(cfg["out_dir"]) / f"train_mnist_{kind}.pt", model, kind, cfg, accs[-1])
         row["checkpoint"] = str(path)
     if device.type == "cuda":
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
