@@ -47,10 +47,10 @@ the tile width), small against the nnz x B multiply-adds at the sparsities this 
 they buy contiguous, register-blocked inner loops. float32 and float64 are computed natively;
 float16 and bfloat16 are computed in float32 and rounded once at the end. Kernels are compiled
 on first use (about 27 s for both dtypes on 2 cores) and cached on disk (Numba's cache, with
-loads and saves under a lock file: `core/jit.py`): one specialisation per op and dtype. Helpers are left to LLVM's inliner, except four that Numba
-inlines at its IR level (`inline="always"`): the few-sample forward's row loop and dX's scatter
-(scalar, 8-wide and its task); with those too left to LLVM dX at B = 2-16 was 7-12% slower, and
-with every helper inlined at the IR level the compile took 42 instead of 27 s (same bits).
+loads and saves under a lock file: `core/jit.py`): one specialisation per op and dtype. Helpers
+are left to LLVM's inliner, except four that Numba inlines at its IR level (`inline="always"`):
+the few-sample forward's row loop and dX's scatter (scalar, 8-wide and its task); with those too
+left to LLVM dX at B = 2-16 was 7-12% slower, and with every helper inlined at the IR level the compile took 42 instead of 27 s (same bits).
 
 Speed, 4096 x 4096 at 90% sparsity (nnz = 1.68 M), float32, 2 cores (Intel Xeon, torch 2.13
 CPU; experiments/bench_cpu.py --rounds 15, results/bench_cpu.csv @ f08ba1f), against dense torch.mm:
