@@ -94,6 +94,18 @@ else:
     from numba import types as _types
     from numba.cuda.extending import intrinsic as _intrinsic
 
+    def _elem_addr(context, builder, aty, a, iv):
+        """The generic 64-bit address of element iv of array a (LLVM values), for inline PTX
+        (a shared array's is turned into its shared-window address there by cvta.to.shared)."""
+        i64 = _ir.IntType(64)
+        data = context.make_array(aty)(context, builder, a).data
+        iv = builder.zext(iv, i64) if iv.type.width < 64 else iv
+        return builder.ptrtoint(builder.gep(data, [iv]), i64)
+
+    def _u32(builder, v):
+        return builder.trunc(v, _ir.IntType(32)) if v.type.width > 32 else (
+            builder.zext(v, _ir.IntType(32)) if v.type.width < 32 else v)
+
     @_intrinsic
     def _cluster_sync(typingctx):
         """barrier.cluster (arrive + wait): every thread of every block of the thread-block
@@ -115,9 +127,7 @@ else:
             a, iv, rv = args
             i64 = _ir.IntType(64)
             i32 = _ir.IntType(32)
-            data = context.make_array(signature.args[0])(context, builder, a).data
-            iv = builder.zext(iv, i64) if iv.type.width < 64 else iv
-            addr = builder.ptrtoint(builder.gep(data, [iv]), i64)
+            addr = _elem_addr(context, builder, signature.args[0], a, iv)
             rv = builder.trunc(rv, i32) if rv.type.width > 32 else rv
             return builder.asm(
                 _ir.FunctionType(_ir.FloatType(), [i64, i32]),
@@ -126,6 +136,84 @@ else:
                 "ld.shared::cluster.f32 $0, [snk_s];\n\t}", "=f,l,r,~{memory}", [addr, rv], side_effect=True)
         return _types.float32(arr, i, rank), codegen
 
+
+
+# Bulk copies of the 32-wide SpMMs' staged chunks (`make_spmm_wide_kernel(tma=True)`, sm_90):
+# one thread asks the copy engine (cp.async.bulk, the 1-D form of the Tensor Memory Accelerator)
+# to move a contiguous run of global memory into shared memory; an mbarrier per run counts its
+# bytes in, and any thread that needs the run waits on that barrier alone. Under the simulator
+# the copy is done at once by the issuing thread (the kernel then has a block barrier).
+if _SIM:
+    def _mbar_init(arr, i, count):
+        pass
+
+    def _mbar_fence_init():
+        pass
+
+    def _bulk_g2s(dst, di, src, si, nbytes, bar, bi):
+        for e in range(int(nbytes) // 4):
+            dst[int(di) + e] = src[int(si) + e]
+
+    def _mbar_try(arr, i, phase):
+        return 1
+else:
+    @_intrinsic
+    def _mbar_init(typingctx, arr, i, count):
+        """mbarrier.init of the 8 bytes at arr[i] (shared, 8-byte aligned) for `count` arrivals."""
+        def codegen(context, builder, signature, args):
+            a = _elem_addr(context, builder, signature.args[0], args[0], args[1])
+            builder.asm(_ir.FunctionType(_ir.VoidType(), [_ir.IntType(64), _ir.IntType(32)]),
+                        "{\n\t.reg .u64 snk_a;\n\tcvta.to.shared.u64 snk_a, $0;\n\t"
+                        "mbarrier.init.shared::cta.b64 [snk_a], $1;\n\t}", "l,r,~{memory}",
+                        [a, _u32(builder, args[2])], side_effect=True)
+            return context.get_dummy_value()
+        return _types.void(arr, i, count), codegen
+
+    @_intrinsic
+    def _mbar_fence_init(typingctx):
+        """Makes initialised mbarriers visible to the copy engine (the async proxy); a block
+        barrier must follow before any thread uses them."""
+        def codegen(context, builder, signature, args):
+            builder.asm(_ir.FunctionType(_ir.VoidType(), []),
+                        "fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;", "~{memory}", [],
+                        side_effect=True)
+            return context.get_dummy_value()
+        return _types.void(), codegen
+
+    @_intrinsic
+    def _bulk_g2s(typingctx, dst, di, src, si, nbytes, bar, bi):
+        """dst[di ..] (shared, 16-byte aligned) <- nbytes (a multiple of 16) from src[si ..]
+        (global, 16-byte aligned) by the copy engine; mbarrier bar[bi] (one arrival expected)
+        takes this thread's arrival with the byte count and completes when the bytes are in."""
+        def codegen(context, builder, signature, args):
+            d = _elem_addr(context, builder, signature.args[0], args[0], args[1])
+            s = _elem_addr(context, builder, signature.args[2], args[2], args[3])
+            b = _elem_addr(context, builder, signature.args[5], args[5], args[6])
+            builder.asm(_ir.FunctionType(_ir.VoidType(), [_ir.IntType(64)] * 3 + [_ir.IntType(32)]),
+                        "{\n\t.reg .u64 snk_d, snk_b;\n\t.reg .u32 snk_d32, snk_b32;\n\t"
+                        "cvta.to.shared.u64 snk_d, $0;\n\tcvta.to.shared.u64 snk_b, $2;\n\t"
+                        "cvt.u32.u64 snk_d32, snk_d;\n\tcvt.u32.u64 snk_b32, snk_b;\n\t"
+                        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [snk_b32], $3;\n\t"
+                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                        "[snk_d32], [$1], $3, [snk_b32];\n\t}", "l,l,l,r,~{memory}",
+                        [d, s, b, _u32(builder, args[4])], side_effect=True)
+            return context.get_dummy_value()
+        return _types.void(dst, di, src, si, nbytes, bar, bi), codegen
+
+    @_intrinsic
+    def _mbar_try(typingctx, arr, i, phase):
+        """1 once the mbarrier at arr[i] has completed phase `phase` (0 or 1), else 0 (the
+        hardware may suspend the thread a while before it answers 0)."""
+        def codegen(context, builder, signature, args):
+            a = _elem_addr(context, builder, signature.args[0], args[0], args[1])
+            return builder.asm(
+                _ir.FunctionType(_ir.IntType(32), [_ir.IntType(64), _ir.IntType(32)]),
+                "{\n\t.reg .u64 snk_a;\n\t.reg .u32 snk_a32;\n\t.reg .pred snk_p;\n\t"
+                "cvta.to.shared.u64 snk_a, $1;\n\tcvt.u32.u64 snk_a32, snk_a;\n\t"
+                "mbarrier.try_wait.parity.shared::cta.b64 snk_p, [snk_a32], $2;\n\t"
+                "selp.u32 $0, 1, 0, snk_p;\n\t}", "=r,l,r,~{memory}", [a, _u32(builder, args[2])],
+                side_effect=True)
+        return _types.int32(arr, i, phase), codegen
 
 @_ir_inlined
 def _ld_f32(a, i):
@@ -682,6 +770,10 @@ def _sddmm_kernel(bt, kind, with_db, cols):
 # blocks, partial rows are added into a zeroed fp32 output with atomics.
 # ---------------------------------------------------------------------------------------------
 WIDE = 32
+# The `tma` wide SpMM's staged chunk comes in as TMA_PARTS bulk copies, an 8-byte mbarrier each
+# (TMA_BAR_BYTES of dynamic shared memory after the output tile, with 4 bytes for alignment).
+TMA_PARTS = 8
+TMA_BAR_BYTES = 8 * TMA_PARTS + 4
 
 
 def _check_sums(sums: Optional[str], cluster: bool = False):
@@ -873,7 +965,7 @@ def _make_stage_quad(ld, plain=False):
 def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
                           rows4: bool = False, own: bool = False, threads: int = 1024, per_lane: int = 4,
-                          probe: int = 0, vkind: Optional[int] = None):
+                          probe: int = 0, vkind: Optional[int] = None, tma: bool = False):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -927,18 +1019,29 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     `probe` (timing decomposition only, results wrong): bits leave phases out, 1 the staging,
     2 the rows, 4 the output flush, 8 the lane-owned products. `vkind`: the kind of val and
     bias, None for x's (dv and db keep x's kind).
+    `tma` (with `own`, one column chunk per block: cps = 1; sm_90): x is not X but its batch
+    tiles transposed, float32 (n_batch_tiles, n_cols, 32) with zeros past the batch
+    (`ops.tiles_transposed`), so that the chunk's staged layout, xs[cl * 32 + j], is one
+    contiguous run of it. Thread 0 has the copy engine bring it in as TMA_PARTS bulk copies of
+    2^s columns each, each counted in by an mbarrier of its own, and the rows start at once:
+    before a round a lane waits for the parts up to the one holding the last column it reads
+    (a row's entries come in column order). No registers or instructions go to the staging, and
+    it overlaps the rows instead of preceding them. Dynamic shared memory: TMA_BAR_BYTES more
+    than without (the barriers follow the output tile).
     """
     return _spmm_wide_kernel(int(kind), bool(has_perm), sums, bool(has_bias), bool(idx16), bool(fused),
                              bool(with_db), bool(rows4), bool(own), int(threads), int(per_lane), int(probe),
-                             _vkind(kind, vkind))
+                             _vkind(kind, vkind), bool(tma))
 
 
 @functools.lru_cache(maxsize=None)
 def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, rows4, own, threads, per_lane,
-                      probe, vkind):
+                      probe, vkind, tma):
     """make_spmm_wide_kernel, cached on its arguments however they were passed."""
     if own and (fused or rows4):
         raise ValueError("own is a variant of the plain SpMMs, without fused or rows4")
+    if tma and not own:
+        raise ValueError("tma is a variant of the lane-owned SpMM (own=True)")
     if fused and (not has_perm or has_bias):
         raise ValueError("the fused backward runs on the transposed order (has_perm) without a bias")
     if with_db and not fused:
@@ -956,6 +1059,8 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     WITH_DB = with_db
     ROWS4 = rows4
     OWN = own
+    TMA = tma
+    NPART = TMA_PARTS
     U = per_lane if own else 1
     ROWG = rows4 or own  # a row per group of 8 lanes
     P_STAGE = (probe & 1) == 0
@@ -1001,6 +1106,15 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
         while e < rows_per_block * 33:
             xs[uint32(ybase + e)] = float32(0.0)
             e += nthreads
+        # (TMA) the parts' mbarriers, 8 bytes each, after the output tile; ready: the last part
+        # this lane has seen complete
+        mo = uint32((ybase + int32(rows_per_block) * 33 + 1) & -2)
+        ready = int32(-1)
+        shp = int32(0)
+        if TMA:
+            if tid < NPART:
+                _mbar_init(xs, mo + uint32(2 * tid), 1)
+            _mbar_fence_init()
 
         lane = tid & 31
         g = lane >> 3
@@ -1030,11 +1144,27 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                     crs[u], vas[u] = load_nz(idx, val, perm, int32(s0 + kq + 8 * u), s1, c0)
             else:
                 cr, va = load_nz(idx, val, perm, int32(s0 + (kq if ROWS4 else lane)), s1, c0)
-            if ch > ch0:
-                cuda.syncthreads()  # the previous chunk is consumed
-            if P_STAGE:
-                stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
-            cuda.syncthreads()
+            if TMA:
+                # (one chunk per block) part s holds columns [s << shp, (s + 1) << shp) of it
+                cuda.syncthreads()  # the barriers are initialised, the output tile zeroed
+                while (int32(NPART) << shp) < width:
+                    shp += 1
+                if tid == 0 and P_STAGE:
+                    src0 = (int64(b0 >> 5) * int64(n_cols) + int64(c0)) << 5
+                    for s in range(NPART):
+                        a = int32(s) << shp
+                        nc = min(int32(1) << shp, width - a)
+                        if nc > 0:
+                            _bulk_g2s(xs, uint32(a << 5), x, src0 + int64(a << 5), uint32(nc << 7), xs,
+                                      mo + uint32(2 * s))
+                if _SIM:
+                    cuda.syncthreads()  # the simulator's copies are done by thread 0 at once
+            else:
+                if ch > ch0:
+                    cuda.syncthreads()  # the previous chunk is consumed
+                if P_STAGE:
+                    stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
+                cuda.syncthreads()
             if WITH_DB and cuda.blockIdx.z == 0:
                 # db over the chunk's columns: the sum of a staged 128-byte row is the sum over
                 # the batch whatever the swizzle; lane l starts at word l (conflict-free)
@@ -1073,6 +1203,16 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                             for u in range(U):
                                 vcur[u] = vas[u]
                                 crs[u], vas[u] = load_nz(idx, val, perm, int32(e0 + int32(8 * u)), e1, c0)
+                        if TMA and P_STAGE:
+                            # the parts holding the columns this round reads (entries past a
+                            # segment read column c0 or the next row's, in column order)
+                            need = int32(0)
+                            for u in range(U):
+                                need = max(need, ccur[u] >> (shp + 5))
+                            while ready < need:
+                                ready += 1
+                                while _mbar_try(xs, mo + uint32(2 * ready), 0) == 0:
+                                    pass
                         for u in range(U):
                             if P_FMA and (u == 0 or t + int32(8 * u) < n):  # warp-uniform
                                 ca = ccur[u]
@@ -1203,6 +1343,14 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                 s0 = ns0
                 s1 = ns1
                 r = rn
+            if TMA and P_STAGE and tid == 0:
+                # no block may leave with copies into its shared memory in flight (its rows may
+                # not have needed every part)
+                last = ((width + (int32(1) << shp) - 1) >> shp) - 1
+                while ready < last:
+                    ready += 1
+                    while _mbar_try(xs, mo + uint32(2 * ready), 0) == 0:
+                        pass
         cuda.syncthreads()
         # flush the output tile, consecutive threads on consecutive rows (coalesced): rows are
         # padded to a power of two, 2^sh >= nr, so that (col, row) = (tid >> sh, tid & mask)
@@ -1284,7 +1432,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
                           f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
                           f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}"
-                          f"{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
+                          f"{'_tma' if tma else ''}{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
     return _jit(spmm_wide, launch_bounds=(threads,))
 
 

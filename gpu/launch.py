@@ -462,14 +462,18 @@ class BoundLaunch:
         self.dyn_scalars = [j for j, v in enumerate(scalars) if v is None]
         self._state = {}
         self._lock = threading.Lock()
+        # (the 32-wide SpMMs) whether x goes to the kernel as ops.tiles_transposed(x)
+        self.tiles_transposed = False
 
     def __deepcopy__(self, memo):
         """A copy bound to copies of the fixed arrays (through `memo`, so a deep-copied cache's
         plan and its index arrays stay the same objects), with no parameter block yet."""
         import copy
-        return BoundLaunch(self.dispatcher, self.grid, self.block, self.smem,
-                           [None if a is None else copy.deepcopy(a, memo) for a in self.fixed], self.scalars,
-                           self.cluster)
+        dup = BoundLaunch(self.dispatcher, self.grid, self.block, self.smem,
+                          [None if a is None else copy.deepcopy(a, memo) for a in self.fixed], self.scalars,
+                          self.cluster)
+        dup.tiles_transposed = self.tiles_transposed
+        return dup
 
     def _full(self, arrays):
         full = list(self.fixed)

@@ -397,7 +397,8 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     mode = _sum_mode()
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
                                CLUSTER_SUMS,
-                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE),
+                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE,
+                               WIDE_TMA),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
 
@@ -428,6 +429,13 @@ WIDE_OWN_THREADS = 512
 WIDE_OWN_PER_LANE = 4
 WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_THREADS)
 
+# The lane-owned wide SpMMs with the chunk brought in by the copy engine while the rows run
+# (kernels.make_spmm_wide_kernel(tma=True); float32, one chunk per block, compute capability
+# >= 9.0 or the simulator): x goes to the kernel as its batch tiles transposed
+# (`tiles_transposed`, one more copy per call) and no thread stages it. Off by default
+# (wide_mode("tma") turns it on for the lane-owned kernels).
+WIDE_TMA = False
+
 
 # Timing decomposition only (results are wrong when set): the 32-wide SpMMs are built with
 # kernels.make_spmm_wide_kernel(probe=WIDE_PROBE), which leaves out the phases its bits name
@@ -442,35 +450,58 @@ def _wide_own(transposed: bool, short: bool) -> bool:
     return not transposed and not short
 
 
-WIDE_MODES = ("auto", "warp", "rows4", "own")
+
+def _tma_supported(device) -> bool:
+    """Whether the `tma` wide kernels can run on `device`: the simulator, or a GPU of compute
+    capability >= 9.0 (bulk copies and transaction-counting mbarriers)."""
+    if _SIM:
+        return True
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(idx) >= (9, 0)
+
+
+def tiles_transposed(x: torch.Tensor) -> torch.Tensor:
+    """x (B, n) as the `tma` wide kernels read it: float32 (ceil(B / 32), n, 32), element
+    [t, c, j] = x[32 t + j, c], zeros past the batch (one copy kernel, two with the padding)."""
+    batch, n = x.shape
+    ntiles = -(-batch // kernels.WIDE)
+    pad = ntiles * kernels.WIDE - batch
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, n))])
+    out = torch.empty((ntiles, n, kernels.WIDE), dtype=torch.float32, device=x.device)
+    out.copy_(x.view(ntiles, kernels.WIDE, n).transpose(1, 2))
+    return out
+
+WIDE_MODES = ("auto", "warp", "rows4", "own", "tma")
 
 
 @contextlib.contextmanager
 def wide_mode(mode: str, sddmm: bool = False):
     """Within the block, the 32-wide SpMMs take their rows in mode `mode`: "auto" (the defaults:
     WIDE_OWN, WIDE_ROWS4_BELOW), "warp" (a warp per row), "rows4" (a row per group of 8 lanes) or
-    "own" (a row per group of 8 lanes, lanes owning whole non-zeros); the fused backward keeps
+    "own" (a row per group of 8 lanes, lanes owning whole non-zeros), "tma" ("own" with the
+    chunk brought in by the copy engine, WIDE_TMA, where it applies); the fused backward keeps
     its own. With `sddmm` the wide SDDMM follows too (SDDMM_ROWS4): a row per group of 8 lanes
     in "rows4", a warp per row in "warp" and "own" (it has no lane-owned mode), its rule in
     "auto"; without, it keeps its rule (`_sddmm_rows4`, which reads WIDE_ROWS4_BELOW too). For
     A/B runs (experiments/tune_kernels.py --wide-modes), tests and the sanitizer run; it sets
     this module's knobs, so it is not meant for threads running ops at the same time."""
-    global WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4
+    global WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA
     if mode not in WIDE_MODES:
         raise ValueError(f"mode must be one of {WIDE_MODES}, got {mode!r}")
-    saved = WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4
+    saved = WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA
     if mode == "warp":
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 0
     elif mode == "rows4":
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 10 ** 9
-    elif mode == "own":
-        WIDE_OWN = True
+    elif mode in ("own", "tma"):
+        WIDE_OWN, WIDE_TMA = True, mode == "tma"
     if sddmm and mode != "auto":
         SDDMM_ROWS4 = mode == "rows4"
     try:
         yield
     finally:
-        WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4 = saved
+        WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA = saved
 
 
 def _short_segments(topo, n_rows: int, nch: int) -> bool:
@@ -539,18 +570,23 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
             rows4 = not own and _short_segments(topo, n_rows, nch)  # a row per lane group
+            tma = (own and WIDE_TMA and cps == 1 and kind == 0 and _tma_supported(device)
+                   and smem + kernels.TMA_BAR_BYTES <= device_properties(device)[1])
 
             def make(sums):
                 return kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
                                                      own=own, threads=bound, per_lane=WIDE_OWN_PER_LANE,
-                                                     probe=WIDE_PROBE, vkind=vkind)
+                                                     probe=WIDE_PROBE, vkind=vkind, tma=tma and sums != "cluster")
             kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
                 make, mode, wp, ntiles, n_rows, wthreads, device,
                 _wide_dtypes(kind, vkind, idx.dtype, fused=False))
+            tma = tma and sums != "cluster"
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
-            return _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem,
+            plan = _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem + (kernels.TMA_BAR_BYTES if tma else 0),
                                 [_seg(topo, transposed, nch, cw), idx, third],
                                 [n_rows, n_cols, batch, nch, cw, rpb, cps], sums, [d, d, d])
+            plan[0].tiles_transposed = tma
+            return plan
     tile, smem = choose_tile(batch, n_cols, device, bt)
     if tile is None:
         return None
@@ -703,6 +739,8 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
         return False
     bound, sums = plan
     target = _partial_target(y, sums, bound.grid[0], dev)
+    if bound.tiles_transposed:
+        x = tiles_transposed(x)
     # without a bias, `values` stands in for the unread argument
     if _SIM or (kind % 3 == 2 and _BF16_VIEWS):  # bfloat16 as int16 bits; 1-D numpy views under the simulator
         vals = as_kernel_array(values)

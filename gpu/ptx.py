@@ -95,6 +95,15 @@ def variants():
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "uint16", el, "int32", "float32" if _fp32_sums(sums) else el, el,
                                       el, el, el], 7)))
+        if kind == 0:  # the lane-owned wide SpMMs fed by bulk copies (float32; no clusters)
+            for perm, bias, i16 in ((False, False, False), (False, True, False), (True, False, False),
+                                    (True, False, True)):
+                for sums in SUMS:
+                    d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, i16, own=True, threads=_threads(True),
+                                                      per_lane=_per_lane(), tma=True)
+                    out.append((d.py_func.__name__, d,
+                                _sig([el, "int32", "uint16" if i16 else "int32", el, "int32",
+                                      "float32" if _fp32_sums(sums) else el, el, el, el, el], 7)))
         if kind:  # the transposed SpMMs with a uint16 row index in half precision and mixed (float32
             # values): one variant per family, the one dX takes by default (the code is float32's
             # but for the dtypes, which these compile)

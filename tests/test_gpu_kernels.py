@@ -417,3 +417,58 @@ def test_float32_values_with_half_activations(B, density, dtype, gen):
     if B <= 32:
         dxf = G.spmm_t_sddmm(ones, ones, lad.topology, lad.values, fused=True)[0]
         assert torch.equal(dxf, want)
+
+
+@pytest.mark.parametrize("shape,density,B,chunks", [
+    ((4096, 4096), 0.1, 32, None), ((4096, 4096), 0.05, 128, None), ((4096, 4096), 0.01, 33, None),
+    ((777, 4100), 0.05, 40, 3), ((301, 1000), 0.3, 64, 1), ((3072, 768), 0.1, 96, None),
+])
+def test_tma_wide_spmms_eager_and_captured(shape, density, B, chunks, gen):
+    # the lane-owned wide SpMMs fed by bulk copies (wide_mode "tma", float32): forward with and
+    # without a bias and dX against float64, outputs poisoned; then the same calls captured in a
+    # CUDA graph and replayed on new inputs
+    import snack.gpu as G
+    from snack.core import COO
+    from snack.core.reference import spmm_reference, spmm_t_reference
+    from snack.gpu import ops
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("bulk copies need compute capability 9.0")
+    o, i = shape
+    coo = COO.random(shape, density=density, generator=gen, device="cuda")
+    t, v = coo.topology, coo.values
+    bias = torch.randn(o, generator=gen).cuda()
+    x = torch.randn(B, i, generator=gen).cuda()
+    dy = torch.randn(B, o, generator=gen).cuda()
+    y, yb, dx = (torch.empty(B, o, device="cuda"), torch.empty(B, o, device="cuda"), torch.empty(B, i, device="cuda"))
+
+    def calls():
+        G.spmm(x, t, v, out=y, wide=True, chunks=chunks)
+        G.spmm(x, t, v, out=yb, bias=bias, wide=True, chunks=chunks)
+        G.spmm_t(dy, t, v, out=dx, wide=True, chunks=chunks)
+
+    def check():
+        torch.cuda.synchronize()
+        ref = spmm_reference(x.double(), t.indices, v.double(), o)
+        for name, got, want in (("spmm", y, ref), ("spmm + bias", yb, ref + bias.double()),
+                                ("spmm_t", dx, spmm_t_reference(dy.double(), t.indices, v.double(), i))):
+            assert torch.isfinite(got).all(), f"{name}: an output element was not written"
+            err = ((got.double() - want).norm() / want.norm()).item()
+            assert err < 1e-5, (name, err)
+
+    with ops.wide_mode("tma"):
+        for out in (y, yb, dx):
+            out.fill_(float("nan"))
+        calls()
+        assert sum(1 for key, plan in t.cache.items() if isinstance(key, tuple) and key[0] == "spmm_plan"
+                   and plan is not None and plan[0].tiles_transposed) == 3
+        check()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            calls()
+        for _ in range(2):
+            x.copy_(torch.randn(B, i, generator=gen).cuda())
+            dy.copy_(torch.randn(B, o, generator=gen).cuda())
+            for out in (y, yb, dx):
+                out.fill_(float("nan"))
+            g.replay()
+            check()

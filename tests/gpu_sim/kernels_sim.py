@@ -944,3 +944,65 @@ def test_float32_values_with_half_activations_are_read_unrounded(dtype, B, kw):
         G.spmm(x, t, v, bias=bias.to(dtype))
     with pytest.raises(TypeError, match="values has dtype"):
         G.spmm(x.float(), t, v.to(dtype))
+
+
+def _tma_plans(topo) -> list:
+    """The cached wide SpMM plans of topo whose kernel reads the transposed batch tiles."""
+    return [plan[0] for key, plan in topo.cache.items()
+            if isinstance(key, tuple) and key[0] == "spmm_plan" and plan is not None and plan[0].tiles_transposed]
+
+
+@pytest.mark.parametrize("shape,B,chunks", [
+    ((5, 45), 20, None),    # 45 columns in parts of 8: 6 parts copied, 2 empty; one partial tile
+    ((9, 70), 33, 2),       # two chunks of 40 and 30 columns (parts of 5 and 4), 2 tiles, atomics
+    ((12, 150), 32, 3),     # three chunks of 56, 56 and 38 columns
+])
+def test_tma_wide_spmms(shape, B, chunks):
+    # the lane-owned wide SpMMs with the chunk brought in by bulk copies (wide_mode "tma"): the
+    # forward (with and without a bias) and dX read x / dY as transposed batch tiles
+    from snack.gpu import ops
+    coo = COO.random(shape, density=0.3, seed=B)
+    t = coo.topology
+    g = torch.Generator().manual_seed(B)
+    x, dy, bias = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g), torch.randn(shape[0], generator=g)
+    y, yb = torch.full((B, shape[0]), float("nan")), torch.full((B, shape[0]), float("nan"))
+    dx = torch.full((B, shape[1]), float("nan"))
+    with ops.wide_mode("tma"):
+        G.spmm(x, t, coo.values, out=y, wide=True, chunks=chunks, threads=64)
+        G.spmm(x, t, coo.values, out=yb, bias=bias, wide=True, chunks=chunks, threads=64)
+        G.spmm_t(dy, t, coo.values, out=dx, wide=True, chunks=chunks, threads=64)
+    assert len(_tma_plans(t)) == 3
+    xd, vd = x.double(), coo.values.double()
+    ref = spmm_reference(xd, t.indices, vd, shape[0])
+    assert _rel(y, ref) < TOL[torch.float32]
+    assert _rel(yb, ref + bias.double()) < TOL[torch.float32]
+    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, shape[1])) < TOL[torch.float32]
+
+
+def test_tma_wide_spmm_with_segments_of_every_length(monkeypatch):
+    # one warp over 17 rows whose segments hold 0 to 90 entries, one block: groups that wait for
+    # different parts side by side, and rows that need none
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
+    g = torch.Generator().manual_seed(3)
+    lengths = [90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 32, 33, 31, 40, 5]
+    mask = torch.zeros(len(lengths), 90, dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        mask[r, torch.randperm(90, generator=g)[:n]] = True
+    idx = mask.nonzero().T.to(torch.int32)
+    coo = COO(idx, torch.randn(idx.shape[1], generator=g), tuple(mask.shape))
+    x = torch.randn(35, 90, generator=g)
+    y = torch.full((35, len(lengths)), float("nan"))
+    with ops.wide_mode("tma"):
+        G.spmm(x, coo.topology, coo.values, out=y, wide=True, threads=32)
+    assert _tma_plans(coo.topology)
+    assert _rel(y, spmm_reference(x.double(), coo.topology.indices, coo.values.double(), len(lengths))) < TOL[torch.float32]
+
+
+def test_tiles_transposed_layout():
+    from snack.gpu.ops import tiles_transposed
+    x = torch.randn(37, 5)
+    t = tiles_transposed(x.to(torch.float16))
+    assert t.shape == (2, 5, 32) and t.dtype == torch.float32
+    assert torch.equal(t[1, :, 5:], torch.zeros(5, 27))
+    assert torch.equal(t.transpose(1, 2).reshape(64, 5)[:37], x.to(torch.float16).float())
