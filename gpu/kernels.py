@@ -1021,7 +1021,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     bias, None for x's (dv and db keep x's kind).
     `tma` (with `own`, one column chunk per block: cps = 1; sm_90): x is not X but its batch
     tiles transposed, float32 (n_batch_tiles, n_cols, 32) with zeros past the batch
-    (`ops.tiles_transposed`), so that the chunk's staged layout, xs[cl * 32 + j], is one
+    (`make_tiles_t_kernel`), so that the chunk's staged layout, xs[cl * 32 + j], is one
     contiguous run of it. Thread 0 has the copy engine bring it in as TMA_PARTS bulk copies of
     2^s columns each, each counted in by an mbarrier of its own, and the rows start at once:
     before a round a lane waits for the parts up to the one holding the last column it reads
@@ -1571,6 +1571,49 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
 # ---- optimizer ------------------------------------------------------------------------------------
 ADAM_THREADS = 256
 
+
+
+@functools.lru_cache(maxsize=None)
+def make_tiles_t_kernel(kind: int):
+    """The `tma` wide SpMMs' input, and their zeroed sum, in one launch: xt[t, c, j] =
+    X[32 t + j, c] as float32 (0 past the batch), and z[:] = 0.
+
+    Signature: (x, xt, z, batch, n_cols, nz); x (batch, n_cols) of kind `kind` (bfloat16 as int16
+    bits), xt float32 (ceil(batch / 32) * n_cols * 32,), z float32 (nz,) (any array when nz = 0).
+    Launch: grid (ceil(n_cols / 32), ceil(batch / 32)), 256 threads: a block moves a 32 x 32
+    square through shared memory (rows read and written 128 bytes at a time; the odd row stride
+    keeps the transposed reads conflict-free) and zeroes its share of z.
+    """
+    ld = _LOADERS[kind]
+
+    def tiles_t(x, xt, z, batch, n_cols, nz):
+        sq = cuda.shared.array((32, 33), dtype=float32)
+        tid = int32(cuda.threadIdx.x)
+        lane = tid & 31
+        row = tid >> 5
+        c0 = int32(cuda.blockIdx.x) * 32
+        t = int32(cuda.blockIdx.y)
+        c = c0 + lane
+        for i in range(4):
+            j = row + 8 * i
+            b = t * 32 + j
+            v = float32(0.0)
+            if b < batch and c < n_cols:
+                v = ld(x, uint32(b * int32(n_cols) + c))
+            sq[j, lane] = v
+        cuda.syncthreads()
+        for i in range(4):
+            cc = row + 8 * i
+            if c0 + cc < n_cols:
+                xt[(int64(t) * int64(n_cols) + int64(c0 + cc)) * 32 + int64(lane)] = sq[lane, cc]
+        e = int64(cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(tid)
+        step = int64(cuda.gridDim.x * cuda.gridDim.y) * int64(cuda.blockDim.x)
+        while e < nz:
+            z[e] = float32(0.0)
+            e += step
+
+    tiles_t.__name__ = f"snack_tiles_t_{KINDS[kind]}"
+    return _jit(tiles_t)
 
 @functools.lru_cache(maxsize=None)
 def make_adam_kernel(decoupled: bool):

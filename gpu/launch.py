@@ -462,8 +462,9 @@ class BoundLaunch:
         self.dyn_scalars = [j for j, v in enumerate(scalars) if v is None]
         self._state = {}
         self._lock = threading.Lock()
-        # (the 32-wide SpMMs) whether x goes to the kernel as ops.tiles_transposed(x)
-        self.tiles_transposed = False
+        # (the 32-wide SpMMs) None, or the launch that writes x's batch tiles transposed
+        # (kernels.make_tiles_t_kernel), which the kernel then reads in x's place
+        self.tiles_transposed = None
 
     def __deepcopy__(self, memo):
         """A copy bound to copies of the fixed arrays (through `memo`, so a deep-copied cache's
@@ -472,7 +473,7 @@ class BoundLaunch:
         dup = BoundLaunch(self.dispatcher, self.grid, self.block, self.smem,
                           [None if a is None else copy.deepcopy(a, memo) for a in self.fixed], self.scalars,
                           self.cluster)
-        dup.tiles_transposed = self.tiles_transposed
+        dup.tiles_transposed = copy.deepcopy(self.tiles_transposed, memo)
         return dup
 
     def _full(self, arrays):

@@ -431,9 +431,10 @@ WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_TH
 
 # The lane-owned wide SpMMs with the chunk brought in by the copy engine while the rows run
 # (kernels.make_spmm_wide_kernel(tma=True); float32, one chunk per block, compute capability
-# >= 9.0 or the simulator): x goes to the kernel as its batch tiles transposed
-# (`tiles_transposed`, one more copy per call) and no thread stages it. Off by default
-# (wide_mode("tma") turns it on for the lane-owned kernels).
+# >= 9.0 or the simulator): x goes to the kernel as its batch tiles transposed, written by one
+# more kernel (kernels.make_tiles_t_kernel) that also zeroes the atomic sums in place of the
+# memset, and no thread stages it. Off by default (wide_mode("tma") turns it on for the
+# lane-owned kernels).
 WIDE_TMA = False
 
 
@@ -459,18 +460,6 @@ def _tma_supported(device) -> bool:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(idx) >= (9, 0)
 
-
-def tiles_transposed(x: torch.Tensor) -> torch.Tensor:
-    """x (B, n) as the `tma` wide kernels read it: float32 (ceil(B / 32), n, 32), element
-    [t, c, j] = x[32 t + j, c], zeros past the batch (one copy kernel, two with the padding)."""
-    batch, n = x.shape
-    ntiles = -(-batch // kernels.WIDE)
-    pad = ntiles * kernels.WIDE - batch
-    if pad:
-        x = torch.cat([x, x.new_zeros((pad, n))])
-    out = torch.empty((ntiles, n, kernels.WIDE), dtype=torch.float32, device=x.device)
-    out.copy_(x.view(ntiles, kernels.WIDE, n).transpose(1, 2))
-    return out
 
 WIDE_MODES = ("auto", "warp", "rows4", "own", "tma")
 
@@ -585,7 +574,10 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             plan = _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem + (kernels.TMA_BAR_BYTES if tma else 0),
                                 [_seg(topo, transposed, nch, cw), idx, third],
                                 [n_rows, n_cols, batch, nch, cw, rpb, cps], sums, [d, d, d])
-            plan[0].tiles_transposed = tma
+            if tma:  # x's transposed tiles (and the zeroed sums) come from one more launch
+                plan[0].tiles_transposed = BoundLaunch(
+                    kernels.make_tiles_t_kernel(kind), (-(-n_cols // kernels.WIDE), ntiles), 256, 0,
+                    [None, None, None], [batch, n_cols, batch * n_rows if sums == "atomic" else 0])
             return plan
     tile, smem = choose_tile(batch, n_cols, device, bt)
     if tile is None:
@@ -738,9 +730,18 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
     if plan is None:
         return False
     bound, sums = plan
-    target = _partial_target(y, sums, bound.grid[0], dev)
-    if bound.tiles_transposed:
-        x = tiles_transposed(x)
+    prep = bound.tiles_transposed
+    if prep is None:
+        target = _partial_target(y, sums, bound.grid[0], dev)
+    else:  # (float32) the kernel reads x's batch tiles transposed; atomic sums go to y, zeroed
+        target = y if sums != "parts" else torch.empty((bound.grid[0],) + tuple(y.shape), dtype=torch.float32,
+                                                        device=dev)
+        xt = torch.empty(prep.grid[1] * x.shape[1] * kernels.WIDE, dtype=torch.float32, device=dev)
+        if _SIM:
+            prep([as_kernel_array(x), as_kernel_array(xt), as_kernel_array(target)], dev)
+        else:
+            prep([x, xt, target], dev)
+        x = xt
     # without a bias, `values` stands in for the unread argument
     if _SIM or (kind % 3 == 2 and _BF16_VIEWS):  # bfloat16 as int16 bits; 1-D numpy views under the simulator
         vals = as_kernel_array(values)

@@ -143,6 +143,9 @@ def variants():
                     d = kernels.make_sddmm_wide_kernel(kind, with_db, rows4, sums)
                     out.append((d.py_func.__name__, d,
                                 _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))
+    for kind, el in _ELEM.items():  # the tma SpMMs' transposed input tiles
+        d = kernels.make_tiles_t_kernel(kind)
+        out.append((d.py_func.__name__, d, _sig([el, "float32", "float32"], 3)))
     from numba import types
     for decoupled in (False, True):
         d = kernels.make_adam_kernel(decoupled)

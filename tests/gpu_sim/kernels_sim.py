@@ -999,10 +999,19 @@ def test_tma_wide_spmm_with_segments_of_every_length(monkeypatch):
     assert _rel(y, spmm_reference(x.double(), coo.topology.indices, coo.values.double(), len(lengths))) < TOL[torch.float32]
 
 
-def test_tiles_transposed_layout():
-    from snack.gpu.ops import tiles_transposed
-    x = torch.randn(37, 5)
-    t = tiles_transposed(x.to(torch.float16))
-    assert t.shape == (2, 5, 32) and t.dtype == torch.float32
-    assert torch.equal(t[1, :, 5:], torch.zeros(5, 27))
-    assert torch.equal(t.transpose(1, 2).reshape(64, 5)[:37], x.to(torch.float16).float())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("nz", [0, 150])
+def test_tiles_transposed_kernel(dtype, nz):
+    # the tma SpMMs' input: xt[t, c, j] = x[32 t + j, c] in float32, zeros past the batch, and
+    # nz elements of z zeroed (the atomic sums), from one launch over partial 32 x 32 squares
+    import numpy as np
+    from snack.gpu import kernels
+    g = torch.Generator().manual_seed(nz)
+    B, n = 37, 45
+    x = torch.randn(B, n, generator=g).to(dtype)
+    xt = np.full(2 * n * 32, np.nan, dtype=np.float32)
+    z = np.full(max(nz, 1) + 5, np.nan, dtype=np.float32)
+    kernels.make_tiles_t_kernel(0 if dtype == torch.float32 else 1)[(2, 2), 256](x.reshape(-1).numpy(), xt, z, B, n, nz)
+    want = torch.cat([x.float(), torch.zeros(64 - B, n)]).view(2, 32, n).transpose(1, 2).reshape(-1)
+    assert torch.equal(torch.from_numpy(xt), want)
+    assert (z[:nz] == 0).all() and np.isnan(z[nz:]).all()
