@@ -774,6 +774,7 @@ WIDE = 32
 # (TMA_BAR_BYTES of dynamic shared memory after the output tile, with 4 bytes for alignment).
 TMA_PARTS = 8
 TMA_BAR_BYTES = 8 * TMA_PARTS + 4
+TILES_T_SMEM = 32 * 33 * 4
 
 
 def _check_sums(sums: Optional[str], cluster: bool = False):
@@ -1580,14 +1581,15 @@ def make_tiles_t_kernel(kind: int):
 
     Signature: (x, xt, z, batch, n_cols, nz); x (batch, n_cols) of kind `kind` (bfloat16 as int16
     bits), xt float32 (ceil(batch / 32) * n_cols * 32,), z float32 (nz,) (any array when nz = 0).
-    Launch: grid (ceil(n_cols / 32), ceil(batch / 32)), 256 threads: a block moves a 32 x 32
+    Launch: grid (ceil(n_cols / 32), ceil(batch / 32)), 256 threads, TILES_T_SMEM bytes of
+    dynamic shared memory: a block moves a 32 x 32
     square through shared memory (rows read and written 128 bytes at a time; the odd row stride
     keeps the transposed reads conflict-free) and zeroes its share of z.
     """
     ld = _LOADERS[kind]
 
     def tiles_t(x, xt, z, batch, n_cols, nz):
-        sq = cuda.shared.array((32, 33), dtype=float32)
+        sq = cuda.shared.array(0, dtype=float32)  # 32 x 33 (dynamic: TILES_T_SMEM bytes)
         tid = int32(cuda.threadIdx.x)
         lane = tid & 31
         row = tid >> 5
@@ -1600,12 +1602,12 @@ def make_tiles_t_kernel(kind: int):
             v = float32(0.0)
             if b < batch and c < n_cols:
                 v = ld(x, uint32(b * int32(n_cols) + c))
-            sq[j, lane] = v
+            sq[j * 33 + lane] = v
         cuda.syncthreads()
         for i in range(4):
             cc = row + 8 * i
             if c0 + cc < n_cols:
-                xt[(int64(t) * int64(n_cols) + int64(c0 + cc)) * 32 + int64(lane)] = sq[lane, cc]
+                xt[(int64(t) * int64(n_cols) + int64(c0 + cc)) * 32 + int64(lane)] = sq[lane * 33 + cc]
         e = int64(cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(tid)
         step = int64(cuda.gridDim.x * cuda.gridDim.y) * int64(cuda.blockDim.x)
         while e < nz:

@@ -576,7 +576,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
                                 [n_rows, n_cols, batch, nch, cw, rpb, cps], sums, [d, d, d])
             if tma:  # x's transposed tiles (and the zeroed sums) come from one more launch
                 plan[0].tiles_transposed = BoundLaunch(
-                    kernels.make_tiles_t_kernel(kind), (-(-n_cols // kernels.WIDE), ntiles), 256, 0,
+                    kernels.make_tiles_t_kernel(kind), (-(-n_cols // kernels.WIDE), ntiles), 256, kernels.TILES_T_SMEM,
                     [None, None, None], [batch, n_cols, batch * n_rows if sums == "atomic" else 0])
             return plan
     tile, smem = choose_tile(batch, n_cols, device, bt)

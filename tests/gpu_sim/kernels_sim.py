@@ -1011,7 +1011,7 @@ def test_tiles_transposed_kernel(dtype, nz):
     x = torch.randn(B, n, generator=g).to(dtype)
     xt = np.full(2 * n * 32, np.nan, dtype=np.float32)
     z = np.full(max(nz, 1) + 5, np.nan, dtype=np.float32)
-    kernels.make_tiles_t_kernel(0 if dtype == torch.float32 else 1)[(2, 2), 256](x.reshape(-1).numpy(), xt, z, B, n, nz)
+    kernels.make_tiles_t_kernel(0 if dtype == torch.float32 else 1)[(2, 2), 256, 0, kernels.TILES_T_SMEM](x.reshape(-1).numpy(), xt, z, B, n, nz)
     want = torch.cat([x.float(), torch.zeros(64 - B, n)]).view(2, 32, n).transpose(1, 2).reshape(-1)
     assert torch.equal(torch.from_numpy(xt), want)
     assert (z[:nz] == 0).all() and np.isnan(z[nz:]).all()
