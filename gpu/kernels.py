@@ -156,6 +156,13 @@ if _SIM:
 
     def _mbar_try(arr, i, phase):
         return 1
+
+    def _cp_async16(dst, di, src, si):
+        for e in range(4):
+            dst[int(di) + e] = src[int(si) + e]
+
+    def _cp_async_arrive(bar, bi):
+        pass
 else:
     @_intrinsic
     def _mbar_init(typingctx, arr, i, count):
@@ -199,6 +206,33 @@ else:
                         [d, s, b, _u32(builder, args[4])], side_effect=True)
             return context.get_dummy_value()
         return _types.void(dst, di, src, si, nbytes, bar, bi), codegen
+
+    @_intrinsic
+    def _cp_async16(typingctx, dst, di, src, si):
+        """dst[di .. di + 3] (shared) <- src[si .. si + 3] (global), 16 bytes, both 16-byte
+        aligned, copied without passing through registers (cp.async, L1 bypassed)."""
+        def codegen(context, builder, signature, args):
+            d = _elem_addr(context, builder, signature.args[0], args[0], args[1])
+            s_ = _elem_addr(context, builder, signature.args[2], args[2], args[3])
+            builder.asm(_ir.FunctionType(_ir.VoidType(), [_ir.IntType(64)] * 2),
+                        "{\n\t.reg .u64 snk_d;\n\t.reg .u32 snk_d32;\n\tcvta.to.shared.u64 snk_d, $0;\n\t"
+                        "cvt.u32.u64 snk_d32, snk_d;\n\tcp.async.cg.shared.global [snk_d32], [$1], 16;\n\t}",
+                        "l,l,~{memory}", [d, s_], side_effect=True)
+            return context.get_dummy_value()
+        return _types.void(dst, di, src, si), codegen
+
+    @_intrinsic
+    def _cp_async_arrive(typingctx, bar, bi):
+        """The mbarrier at bar[bi] counts this thread's arrival once all its earlier cp.async
+        copies are done (noinc: the arrival is one of the count it was initialised with)."""
+        def codegen(context, builder, signature, args):
+            b = _elem_addr(context, builder, signature.args[0], args[0], args[1])
+            builder.asm(_ir.FunctionType(_ir.VoidType(), [_ir.IntType(64)]),
+                        "{\n\t.reg .u64 snk_b;\n\t.reg .u32 snk_b32;\n\tcvta.to.shared.u64 snk_b, $0;\n\t"
+                        "cvt.u32.u64 snk_b32, snk_b;\n\tcp.async.mbarrier.arrive.noinc.shared.b64 [snk_b32];\n\t}",
+                        "l,~{memory}", [b], side_effect=True)
+            return context.get_dummy_value()
+        return _types.void(bar, bi), codegen
 
     @_intrinsic
     def _mbar_try(typingctx, arr, i, phase):
@@ -966,7 +1000,7 @@ def _make_stage_quad(ld, plain=False):
 def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
                           rows4: bool = False, own: bool = False, threads: int = 1024, per_lane: int = 4,
-                          probe: int = 0, vkind: Optional[int] = None, tma: bool = False):
+                          probe: int = 0, vkind: Optional[int] = None, tma: int = 0):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -1023,8 +1057,10 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     `tma` (with `own`, one column chunk per block: cps = 1; sm_90): x is not X but its batch
     tiles transposed, float32 (n_batch_tiles, n_cols, 32) with zeros past the batch
     (`make_tiles_t_kernel`), so that the chunk's staged layout, xs[cl * 32 + j], is one
-    contiguous run of it. Thread 0 has the copy engine bring it in as TMA_PARTS bulk copies of
-    2^s columns each, each counted in by an mbarrier of its own, and the rows start at once:
+    contiguous run of it. With tma = 1 thread 0 has the copy engine bring it in as TMA_PARTS
+    bulk copies of 2^s columns each, with tma = 2 every thread copies 16-byte pieces of each
+    part with cp.async (no registers either); each part is counted in by an mbarrier of its own,
+    and the rows start at once:
     before a round a lane waits for the parts up to the one holding the last column it reads
     (a row's entries come in column order). No registers or instructions go to the staging, and
     it overlaps the rows instead of preceding them. Dynamic shared memory: TMA_BAR_BYTES more
@@ -1032,7 +1068,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     """
     return _spmm_wide_kernel(int(kind), bool(has_perm), sums, bool(has_bias), bool(idx16), bool(fused),
                              bool(with_db), bool(rows4), bool(own), int(threads), int(per_lane), int(probe),
-                             _vkind(kind, vkind), bool(tma))
+                             _vkind(kind, vkind), int(tma))
 
 
 @functools.lru_cache(maxsize=None)
@@ -1060,7 +1096,8 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     WITH_DB = with_db
     ROWS4 = rows4
     OWN = own
-    TMA = tma
+    TMA = tma != 0
+    BULK = tma == 1
     NPART = TMA_PARTS
     U = per_lane if own else 1
     ROWG = rows4 or own  # a row per group of 8 lanes
@@ -1113,8 +1150,8 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
         ready = int32(-1)
         shp = int32(0)
         if TMA:
-            if tid < NPART:
-                _mbar_init(xs, mo + uint32(2 * tid), 1)
+            if tid < NPART:  # (bulk) one arrival with the byte count; (cp.async) one per thread
+                _mbar_init(xs, mo + uint32(2 * tid), 1 if BULK else nthreads)
             _mbar_fence_init()
 
         lane = tid & 31
@@ -1150,14 +1187,24 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                 cuda.syncthreads()  # the barriers are initialised, the output tile zeroed
                 while (int32(NPART) << shp) < width:
                     shp += 1
-                if tid == 0 and P_STAGE:
-                    src0 = (int64(b0 >> 5) * int64(n_cols) + int64(c0)) << 5
+                src0 = (int64(b0 >> 5) * int64(n_cols) + int64(c0)) << 5
+                if BULK and tid == 0 and P_STAGE:
                     for s in range(NPART):
                         a = int32(s) << shp
                         nc = min(int32(1) << shp, width - a)
                         if nc > 0:
                             _bulk_g2s(xs, uint32(a << 5), x, src0 + int64(a << 5), uint32(nc << 7), xs,
                                       mo + uint32(2 * s))
+                if not BULK and P_STAGE:  # every thread: 16-byte pieces of each part, then its arrival
+                    for s in range(NPART):
+                        a = int32(s) << shp
+                        nc = min(int32(1) << shp, width - a)
+                        if nc > 0:
+                            q = tid
+                            while q < (nc << 3):
+                                _cp_async16(xs, uint32((a << 5) + (q << 2)), x, src0 + int64((a << 5) + (q << 2)))
+                                q += nthreads
+                            _cp_async_arrive(xs, mo + uint32(2 * s))
                 if _SIM:
                     cuda.syncthreads()  # the simulator's copies are done by thread 0 at once
             else:
@@ -1433,7 +1480,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
                           f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
                           f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}"
-                          f"{'_tma' if tma else ''}{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
+                          f"{('', '_tma', '_cpasync')[tma]}{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
     return _jit(spmm_wide, launch_bounds=(threads,))
 
 

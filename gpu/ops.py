@@ -434,7 +434,7 @@ WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_TH
 # >= 9.0 or the simulator): x goes to the kernel as its batch tiles transposed, written by one
 # more kernel (kernels.make_tiles_t_kernel) that also zeroes the atomic sums in place of the
 # memset, and no thread stages it. Off by default (wide_mode("tma") turns it on for the
-# lane-owned kernels).
+# lane-owned kernels). 1 (True): bulk copies by the copy engine; 2: cp.async by every thread.
 WIDE_TMA = False
 
 
@@ -461,7 +461,7 @@ def _tma_supported(device) -> bool:
     return torch.cuda.get_device_capability(idx) >= (9, 0)
 
 
-WIDE_MODES = ("auto", "warp", "rows4", "own", "tma")
+WIDE_MODES = ("auto", "warp", "rows4", "own", "tma", "cpasync")
 
 
 @contextlib.contextmanager
@@ -469,7 +469,8 @@ def wide_mode(mode: str, sddmm: bool = False):
     """Within the block, the 32-wide SpMMs take their rows in mode `mode`: "auto" (the defaults:
     WIDE_OWN, WIDE_ROWS4_BELOW), "warp" (a warp per row), "rows4" (a row per group of 8 lanes) or
     "own" (a row per group of 8 lanes, lanes owning whole non-zeros), "tma" ("own" with the
-    chunk brought in by the copy engine, WIDE_TMA, where it applies); the fused backward keeps
+    chunk brought in by the copy engine, WIDE_TMA = 1, where it applies), "cpasync" (the same
+    with cp.async copies by every thread, WIDE_TMA = 2); the fused backward keeps
     its own. With `sddmm` the wide SDDMM follows too (SDDMM_ROWS4): a row per group of 8 lanes
     in "rows4", a warp per row in "warp" and "own" (it has no lane-owned mode), its rule in
     "auto"; without, it keeps its rule (`_sddmm_rows4`, which reads WIDE_ROWS4_BELOW too). For
@@ -483,8 +484,8 @@ def wide_mode(mode: str, sddmm: bool = False):
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 0
     elif mode == "rows4":
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 10 ** 9
-    elif mode in ("own", "tma"):
-        WIDE_OWN, WIDE_TMA = True, mode == "tma"
+    elif mode in ("own", "tma", "cpasync"):
+        WIDE_OWN, WIDE_TMA = True, {"own": False, "tma": 1, "cpasync": 2}[mode]
     if sddmm and mode != "auto":
         SDDMM_ROWS4 = mode == "rows4"
     try:
@@ -565,7 +566,8 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             def make(sums):
                 return kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
                                                      own=own, threads=bound, per_lane=WIDE_OWN_PER_LANE,
-                                                     probe=WIDE_PROBE, vkind=vkind, tma=tma and sums != "cluster")
+                                                     probe=WIDE_PROBE, vkind=vkind,
+                                                     tma=int(WIDE_TMA) if tma and sums != "cluster" else 0)
             kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
                 make, mode, wp, ntiles, n_rows, wthreads, device,
                 _wide_dtypes(kind, vkind, idx.dtype, fused=False))

@@ -98,9 +98,9 @@ def variants():
         if kind == 0:  # the lane-owned wide SpMMs fed by bulk copies (float32; no clusters)
             for perm, bias, i16 in ((False, False, False), (False, True, False), (True, False, False),
                                     (True, False, True)):
-                for sums in SUMS:
+                for sums, tma in [(sm, 1) for sm in SUMS] + [("atomic", 2)]:
                     d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, i16, own=True, threads=_threads(True),
-                                                      per_lane=_per_lane(), tma=True)
+                                                      per_lane=_per_lane(), tma=tma)
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "uint16" if i16 else "int32", el, "int32",
                                       "float32" if _fp32_sums(sums) else el, el, el, el, el], 7)))

@@ -423,7 +423,8 @@ def test_float32_values_with_half_activations(B, density, dtype, gen):
     ((4096, 4096), 0.1, 32, None), ((4096, 4096), 0.05, 128, None), ((4096, 4096), 0.01, 33, None),
     ((777, 4100), 0.05, 40, 3), ((301, 1000), 0.3, 64, 1), ((3072, 768), 0.1, 96, None),
 ])
-def test_tma_wide_spmms_eager_and_captured(shape, density, B, chunks, gen):
+@pytest.mark.parametrize("mode", ["tma", "cpasync"])
+def test_tma_wide_spmms_eager_and_captured(shape, density, B, chunks, mode, gen):
     # the lane-owned wide SpMMs fed by bulk copies (wide_mode "tma", float32): forward with and
     # without a bias and dX against float64, outputs poisoned; then the same calls captured in a
     # CUDA graph and replayed on new inputs
@@ -455,7 +456,7 @@ def test_tma_wide_spmms_eager_and_captured(shape, density, B, chunks, gen):
             err = ((got.double() - want).norm() / want.norm()).item()
             assert err < 1e-5, (name, err)
 
-    with ops.wide_mode("tma"):
+    with ops.wide_mode(mode):
         for out in (y, yb, dx):
             out.fill_(float("nan"))
         calls()

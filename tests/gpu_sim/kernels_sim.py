@@ -957,7 +957,8 @@ def _tma_plans(topo) -> list:
     ((9, 70), 33, 2),       # two chunks of 40 and 30 columns (parts of 5 and 4), 2 tiles, atomics
     ((12, 150), 32, 3),     # three chunks of 56, 56 and 38 columns
 ])
-def test_tma_wide_spmms(shape, B, chunks):
+@pytest.mark.parametrize("mode", ["tma", "cpasync"])
+def test_tma_wide_spmms(shape, B, chunks, mode):
     # the lane-owned wide SpMMs with the chunk brought in by bulk copies (wide_mode "tma"): the
     # forward (with and without a bias) and dX read x / dY as transposed batch tiles
     from snack.gpu import ops
@@ -967,7 +968,7 @@ def test_tma_wide_spmms(shape, B, chunks):
     x, dy, bias = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g), torch.randn(shape[0], generator=g)
     y, yb = torch.full((B, shape[0]), float("nan")), torch.full((B, shape[0]), float("nan"))
     dx = torch.full((B, shape[1]), float("nan"))
-    with ops.wide_mode("tma"):
+    with ops.wide_mode(mode):
         G.spmm(x, t, coo.values, out=y, wide=True, chunks=chunks, threads=64)
         G.spmm(x, t, coo.values, out=yb, bias=bias, wide=True, chunks=chunks, threads=64)
         G.spmm_t(dy, t, coo.values, out=dx, wide=True, chunks=chunks, threads=64)
