@@ -163,6 +163,10 @@ if _SIM:
 
     def _cp_async_arrive(bar, bi):
         pass
+
+    def _ldg4(arr, i):
+        i = int(i)
+        return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
 else:
     @_intrinsic
     def _mbar_init(typingctx, arr, i, count):
@@ -233,6 +237,21 @@ else:
                         "l,~{memory}", [b], side_effect=True)
             return context.get_dummy_value()
         return _types.void(bar, bi), codegen
+
+    @_intrinsic
+    def _ldg4(typingctx, arr, i):
+        """(arr[i], arr[i + 1], arr[i + 2], arr[i + 3]) of a float32 global array, i a multiple of
+        4 (16-byte aligned): one 16-byte load through the read-only path (ld.global.nc.v4)."""
+        ret = _types.UniTuple(_types.float32, 4)
+
+        def codegen(context, builder, signature, args):
+            a = _elem_addr(context, builder, signature.args[0], args[0], args[1])
+            f = _ir.FloatType()
+            st = builder.asm(_ir.FunctionType(_ir.LiteralStructType([f] * 4), [_ir.IntType(64)]),
+                             "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", [a],
+                             side_effect=False)
+            return context.make_tuple(builder, ret, [builder.extract_value(st, k) for k in range(4)])
+        return ret(arr, i), codegen
 
     @_intrinsic
     def _mbar_try(typingctx, arr, i, phase):
@@ -1620,6 +1639,108 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
 ADAM_THREADS = 256
 
 
+
+
+GATHER_ROWS = 32  # rows per block of the gathering SpMM (a group of 8 lanes per row)
+GATHER_SMEM = GATHER_ROWS * 33 * 4  # its output tile
+
+
+@functools.lru_cache(maxsize=None)
+def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False):
+    """Y = X W^T (+ bias), float32, reading X as transposed batch tiles from global memory
+    instead of staging it: for very sparse W, where a staged chunk would serve few non-zeros.
+
+    Signature: (x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch), as `make_spmm_kernel`
+    but for x: X's batch tiles transposed, float32 (ceil(B / 32), n_cols, 32) with zeros past
+    the batch (`make_tiles_t_kernel`), so that the 32 batch values of column c in tile t are one
+    128-byte line. A block takes GATHER_ROWS consecutive rows of one batch tile, a group of 8
+    lanes a row: the group loads 8 of the row's entries at a time (one per lane), then for each
+    of them every lane reads its 4 batch values of that column's line (one 16-byte read-only
+    load; the group reads the whole line) and keeps 4 sums. No shared-memory staging, no column
+    chunks (any number of columns), no zeroed output or atomics: each row's sums go to a shared
+    output tile, written to y once, consecutive threads on consecutive rows.
+    Launch: grid (ceil(n_rows / GATHER_ROWS), ceil(B / 32)), 256 threads, GATHER_SMEM bytes of
+    dynamic shared memory. As the transposed SpMM: idx W's row index in column-major order
+    (int32 or uint16), val read through perm.
+    """
+    HAS_PERM = has_perm
+    HAS_BIAS = has_bias
+
+    def gather(x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch):
+        ys = cuda.shared.array(0, dtype=float32, alignment=16)  # ys[row * 33 + batch column]
+        xb = cuda.local.array(32, dtype=float32)  # (registers) a round's 8 x 4 batch values
+        vs = cuda.local.array(8, dtype=float32)  # and its 8 values
+        tid = int32(cuda.threadIdx.x)
+        lane = tid & 31
+        grp = tid >> 3
+        kq = lane & 7
+        k4 = kq << 2
+        gb = lane & 24  # the group's first lane
+        r0 = int32(cuda.blockIdx.x) * GATHER_ROWS
+        t = int32(cuda.blockIdx.y)
+        r = r0 + grp
+        s0 = int32(0)
+        s1 = int32(0)
+        if r < n_rows:
+            s0 = int32(ptr[uint32(r)])
+            s1 = int32(ptr[uint32(r + 1)])
+        ng = s1 - s0
+        n = max(ng, cuda.shfl_xor_sync(FULL_MASK, ng, 8))
+        n = max(n, cuda.shfl_xor_sync(FULL_MASK, n, 16))
+        tb = uint64(t) * uint64(n_cols) * uint64(32) + uint64(k4)
+        a0 = float32(0.0)
+        a1 = float32(0.0)
+        a2 = float32(0.0)
+        a3 = float32(0.0)
+        i0 = int32(0)
+        while i0 < n:  # warp-uniform: the longest of the warp's four rows
+            k = s0 + i0 + kq
+            c = int32(0)
+            v = float32(0.0)
+            if k < s1:
+                c = int32(idx[uint32(k)])
+                if HAS_PERM:
+                    v = val[uint32(perm[uint32(k)])]
+                else:
+                    v = val[uint32(k)]
+            # the 8 entries' lines are all requested before any is used (entries past a row's
+            # end have value 0 and read column 0's line, which the L1 keeps)
+            for i in range(8):
+                ci = cuda.shfl_sync(FULL_MASK, c, gb + i)
+                vs[i] = cuda.shfl_sync(FULL_MASK, v, gb + i)
+                xv = _ldg4(x, tb + (uint64(uint32(ci)) << 5))
+                xb[4 * i] = xv[0]
+                xb[4 * i + 1] = xv[1]
+                xb[4 * i + 2] = xv[2]
+                xb[4 * i + 3] = xv[3]
+            for i in range(8):
+                a0 += vs[i] * xb[4 * i]
+                a1 += vs[i] * xb[4 * i + 1]
+                a2 += vs[i] * xb[4 * i + 2]
+                a3 += vs[i] * xb[4 * i + 3]
+            i0 += 8
+        if HAS_BIAS and r < n_rows:
+            bv = bias[uint32(r)]
+            a0 += bv
+            a1 += bv
+            a2 += bv
+            a3 += bv
+        o = uint32(grp * 33 + k4)
+        ys[o] = a0
+        ys[o + 1] = a1
+        ys[o + 2] = a2
+        ys[o + 3] = a3
+        cuda.syncthreads()
+        rl = lane
+        rr = r0 + rl
+        for jj in range(4):
+            j = (tid >> 5) + 8 * jj
+            b = t * 32 + j
+            if b < batch and rr < n_rows:
+                y[uint32(b * int32(n_rows) + rr)] = ys[uint32(rl * 33 + j)]
+
+    gather.__name__ = f"snack_spmm_gather_float32{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
+    return _jit(gather, launch_bounds=(256,))
 
 @functools.lru_cache(maxsize=None)
 def make_tiles_t_kernel(kind: int):

@@ -398,7 +398,7 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
                                CLUSTER_SUMS,
                                WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE,
-                               WIDE_TMA),
+                               WIDE_TMA, WIDE_GATHER),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
 
@@ -440,6 +440,13 @@ WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_TH
 # (gpu/PERFORMANCE.md); cp.async not yet measured.
 WIDE_TMA = False
 
+# Where the SpMMs would take the 32-wide kernels, gather instead (kernels.make_spmm_gather_kernel;
+# float32): x goes in as transposed batch tiles and each non-zero reads its column's 128-byte
+# line of them from global memory (L2 / L1), with no staging, no column chunks and no zeroed
+# output; meant for very sparse W (99 %), where a staged chunk serves few non-zeros. Off by
+# default (wide_mode("gather")); not yet measured on a GPU.
+WIDE_GATHER = False
+
 
 # Timing decomposition only (results are wrong when set): the 32-wide SpMMs are built with
 # kernels.make_spmm_wide_kernel(probe=WIDE_PROBE), which leaves out the phases its bits name
@@ -464,7 +471,7 @@ def _tma_supported(device) -> bool:
     return torch.cuda.get_device_capability(idx) >= (9, 0)
 
 
-WIDE_MODES = ("auto", "warp", "rows4", "own", "tma", "cpasync")
+WIDE_MODES = ("auto", "warp", "rows4", "own", "tma", "cpasync", "gather")
 
 
 @contextlib.contextmanager
@@ -473,28 +480,32 @@ def wide_mode(mode: str, sddmm: bool = False):
     WIDE_OWN, WIDE_ROWS4_BELOW), "warp" (a warp per row), "rows4" (a row per group of 8 lanes) or
     "own" (a row per group of 8 lanes, lanes owning whole non-zeros), "tma" ("own" with the
     chunk brought in by the copy engine, WIDE_TMA = 1, where it applies), "cpasync" (the same
-    with cp.async copies by every thread, WIDE_TMA = 2); the fused backward keeps
+    with cp.async copies by every thread, WIDE_TMA = 2), "gather" (no staging: each non-zero
+    reads its column of X's transposed batch tiles from global memory, WIDE_GATHER, float32);
+    the fused backward keeps
     its own. With `sddmm` the wide SDDMM follows too (SDDMM_ROWS4): a row per group of 8 lanes
     in "rows4", a warp per row in "warp" and "own" (it has no lane-owned mode), its rule in
     "auto"; without, it keeps its rule (`_sddmm_rows4`, which reads WIDE_ROWS4_BELOW too). For
     A/B runs (experiments/tune_kernels.py --wide-modes), tests and the sanitizer run; it sets
     this module's knobs, so it is not meant for threads running ops at the same time."""
-    global WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA
+    global WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA, WIDE_GATHER
     if mode not in WIDE_MODES:
         raise ValueError(f"mode must be one of {WIDE_MODES}, got {mode!r}")
-    saved = WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA
+    saved = WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA, WIDE_GATHER
     if mode == "warp":
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 0
     elif mode == "rows4":
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 10 ** 9
     elif mode in ("own", "tma", "cpasync"):
         WIDE_OWN, WIDE_TMA = True, {"own": False, "tma": 1, "cpasync": 2}[mode]
+    elif mode == "gather":
+        WIDE_GATHER = True
     if sddmm and mode != "auto":
         SDDMM_ROWS4 = mode == "rows4"
     try:
         yield
     finally:
-        WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA = saved
+        WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA, WIDE_GATHER = saved
 
 
 def _short_segments(topo, n_rows: int, nch: int) -> bool:
@@ -553,6 +564,15 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
         ptr, idx, perm = topo.row_ptr, topo.indices[1], None
     third = perm if perm is not None else ptr
     idx16 = idx.dtype == torch.uint16
+    if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo) and WIDE_GATHER and kind == 0:
+        ntiles = -(-batch // kernels.WIDE)
+        kern = kernels.make_spmm_gather_kernel(perm is not None, has_bias)
+        plan = _spmm_launch(kern, (-(-n_rows // kernels.GATHER_ROWS), ntiles), 256, kernels.GATHER_SMEM,
+                            [ptr, idx, third], [n_rows, n_cols, batch], None)
+        plan[0].tiles_transposed = BoundLaunch(
+            kernels.make_tiles_t_kernel(kind), (-(-n_cols // kernels.WIDE), ntiles), 256, kernels.TILES_T_SMEM,
+            [None, None, None], [batch, n_cols, 0])
+        return plan
     if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo):
         nch = wide_chunks(n_cols, device, chunks, batch)[0]
         own = _wide_own(transposed, _short_segments(topo, n_rows, nch))

@@ -143,6 +143,10 @@ def variants():
                     d = kernels.make_sddmm_wide_kernel(kind, with_db, rows4, sums)
                     out.append((d.py_func.__name__, d,
                                 _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))
+    for perm, bias, i16 in ((False, False, False), (False, True, False), (True, False, False), (True, False, True)):
+        d = kernels.make_spmm_gather_kernel(perm, bias)  # the gathering SpMMs (float32)
+        out.append((d.py_func.__name__ + ("_idx16" if i16 else ""), d,
+                    _sig(["float32", "int32", "uint16" if i16 else "int32", "float32", "int32", "float32", "float32"], 3)))
     for kind, el in _ELEM.items():  # the tma SpMMs' transposed input tiles
         d = kernels.make_tiles_t_kernel(kind)
         out.append((d.py_func.__name__, d, _sig([el, "float32", "float32"], 3)))

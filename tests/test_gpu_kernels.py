@@ -423,11 +423,12 @@ def test_float32_values_with_half_activations(B, density, dtype, gen):
     ((4096, 4096), 0.1, 32, None), ((4096, 4096), 0.05, 128, None), ((4096, 4096), 0.01, 33, None),
     ((777, 4100), 0.05, 40, 3), ((301, 1000), 0.3, 64, 1), ((3072, 768), 0.1, 96, None),
 ])
-@pytest.mark.parametrize("mode", ["tma", "cpasync"])
-def test_tma_wide_spmms_eager_and_captured(shape, density, B, chunks, mode, gen):
-    # the lane-owned wide SpMMs fed by bulk copies (wide_mode "tma", float32): forward with and
-    # without a bias and dX against float64, outputs poisoned; then the same calls captured in a
-    # CUDA graph and replayed on new inputs
+@pytest.mark.parametrize("mode", ["tma", "cpasync", "gather"])
+def test_fed_wide_spmms_eager_and_captured(shape, density, B, chunks, mode, gen):
+    # the SpMMs that read x as transposed batch tiles (float32): the lane-owned wide kernels fed
+    # by bulk copies (wide_mode "tma") or cp.async ("cpasync"), and the gathering kernels
+    # ("gather"): forward with and without a bias and dX against float64, outputs poisoned; then
+    # the same calls captured in a CUDA graph and replayed on new inputs
     import snack.gpu as G
     from snack.core import COO
     from snack.core.reference import spmm_reference, spmm_t_reference

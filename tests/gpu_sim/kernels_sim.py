@@ -1016,3 +1016,27 @@ def test_tiles_transposed_kernel(dtype, nz):
     want = torch.cat([x.float(), torch.zeros(64 - B, n)]).view(2, 32, n).transpose(1, 2).reshape(-1)
     assert torch.equal(torch.from_numpy(xt), want)
     assert (z[:nz] == 0).all() and np.isnan(z[nz:]).all()
+
+
+@pytest.mark.parametrize("shape,B,density", [((37, 45), 20, 0.3), ((70, 9), 33, 0.4), ((40, 300), 64, 0.05)])
+def test_gather_spmms(shape, B, density):
+    # the gathering SpMMs (wide_mode "gather"): no staging, each entry reads its column's line of
+    # the transposed batch tiles; forward with and without a bias and dX (the transposed order,
+    # uint16 row index), partial tiles, rows past the last block's end, empty rows
+    from snack.gpu import ops
+    coo = COO.random(shape, density=density, seed=B)
+    t = coo.topology
+    g = torch.Generator().manual_seed(B)
+    x, dy, bias = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g), torch.randn(shape[0], generator=g)
+    y, yb = torch.full((B, shape[0]), float("nan")), torch.full((B, shape[0]), float("nan"))
+    dx = torch.full((B, shape[1]), float("nan"))
+    with ops.wide_mode("gather"):
+        G.spmm(x, t, coo.values, out=y, wide=True)
+        G.spmm(x, t, coo.values, out=yb, bias=bias, wide=True)
+        G.spmm_t(dy, t, coo.values, out=dx, wide=True)
+    assert len(_tma_plans(t)) == 3
+    xd, vd = x.double(), coo.values.double()
+    ref = spmm_reference(xd, t.indices, vd, shape[0])
+    assert _rel(y, ref) < TOL[torch.float32]
+    assert _rel(yb, ref + bias.double()) < TOL[torch.float32]
+    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, shape[1])) < TOL[torch.float32]
