@@ -443,6 +443,18 @@ def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch,
     _check_wide(wide_mode, coo, B, seed=8, wide=True, chunks=chunks, threads=64)
 
 
+def _segments_of_every_length():
+    """(COO of 17 rows x 90 columns whose rows hold 90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 32,
+    33, 31, 40 and 5 non-zeros, the generator that made it, for more inputs)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 32, 33, 31, 40, 5]
+    mask = torch.zeros(len(lengths), 90, dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        mask[r, torch.randperm(90, generator=g)[:n]] = True
+    idx = mask.nonzero().T.to(torch.int32)
+    return COO(idx, torch.randn(idx.shape[1], generator=g), tuple(mask.shape)), g
+
+
 @pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("dtype,B,chunks", [(torch.float32, 35, None), (torch.float16, 40, 2)])
 def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, chunks, own):
@@ -455,13 +467,7 @@ def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, 
     monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9)
     monkeypatch.setattr(ops, "SDDMM_ROWS4", True)
     monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
-    g = torch.Generator().manual_seed(3)
-    lengths = [90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 32, 33, 31, 40, 5]
-    mask = torch.zeros(len(lengths), 90, dtype=torch.bool)
-    for r, n in enumerate(lengths):
-        mask[r, torch.randperm(90, generator=g)[:n]] = True
-    idx = mask.nonzero().T.to(torch.int32)
-    coo = COO(idx, torch.randn(idx.shape[1], generator=g), tuple(mask.shape))
+    coo, g = _segments_of_every_length()
     _check(coo, B, dtype, seed=4, wide=True, chunks=chunks, threads=32)
 
 
@@ -946,10 +952,33 @@ def test_float32_values_with_half_activations_are_read_unrounded(dtype, B, kw):
         G.spmm(x.float(), t, v.to(dtype))
 
 
-def _tma_plans(topo) -> list:
-    """The cached wide SpMM plans of topo whose kernel reads the transposed batch tiles."""
+def _fed_plans(topo) -> list:
+    """The cached SpMM plans of topo whose kernel reads x as transposed batch tiles (tma, cpasync, gather)."""
     return [plan[0] for key, plan in topo.cache.items()
             if isinstance(key, tuple) and key[0] == "spmm_plan" and plan is not None and plan[0].tiles_transposed]
+
+
+def _check_fed(mode, shape, B, density, **kw):
+    """The SpMMs that read x as transposed batch tiles, in wide_mode `mode`, on a random W: the
+    forward with and without a bias and dX against float64, outputs poisoned; and that every
+    plan took that path."""
+    from snack.gpu import ops
+    coo = COO.random(shape, density=density, seed=B)
+    t = coo.topology
+    g = torch.Generator().manual_seed(B)
+    x, dy, bias = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g), torch.randn(shape[0], generator=g)
+    y, yb = torch.full((B, shape[0]), float("nan")), torch.full((B, shape[0]), float("nan"))
+    dx = torch.full((B, shape[1]), float("nan"))
+    with ops.wide_mode(mode):
+        G.spmm(x, t, coo.values, out=y, wide=True, **kw)
+        G.spmm(x, t, coo.values, out=yb, bias=bias, wide=True, **kw)
+        G.spmm_t(dy, t, coo.values, out=dx, wide=True, **kw)
+    assert len(_fed_plans(t)) == 3
+    xd, vd = x.double(), coo.values.double()
+    ref = spmm_reference(xd, t.indices, vd, shape[0])
+    assert _rel(y, ref) < TOL[torch.float32]
+    assert _rel(yb, ref + bias.double()) < TOL[torch.float32]
+    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, shape[1])) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("shape,B,chunks", [
@@ -959,25 +988,8 @@ def _tma_plans(topo) -> list:
 ])
 @pytest.mark.parametrize("mode", ["tma", "cpasync"])
 def test_tma_wide_spmms(shape, B, chunks, mode):
-    # the lane-owned wide SpMMs with the chunk brought in by bulk copies (wide_mode "tma"): the
-    # forward (with and without a bias) and dX read x / dY as transposed batch tiles
-    from snack.gpu import ops
-    coo = COO.random(shape, density=0.3, seed=B)
-    t = coo.topology
-    g = torch.Generator().manual_seed(B)
-    x, dy, bias = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g), torch.randn(shape[0], generator=g)
-    y, yb = torch.full((B, shape[0]), float("nan")), torch.full((B, shape[0]), float("nan"))
-    dx = torch.full((B, shape[1]), float("nan"))
-    with ops.wide_mode(mode):
-        G.spmm(x, t, coo.values, out=y, wide=True, chunks=chunks, threads=64)
-        G.spmm(x, t, coo.values, out=yb, bias=bias, wide=True, chunks=chunks, threads=64)
-        G.spmm_t(dy, t, coo.values, out=dx, wide=True, chunks=chunks, threads=64)
-    assert len(_tma_plans(t)) == 3
-    xd, vd = x.double(), coo.values.double()
-    ref = spmm_reference(xd, t.indices, vd, shape[0])
-    assert _rel(y, ref) < TOL[torch.float32]
-    assert _rel(yb, ref + bias.double()) < TOL[torch.float32]
-    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, shape[1])) < TOL[torch.float32]
+    # the lane-owned wide SpMMs with the chunk brought in by bulk copies or cp.async
+    _check_fed(mode, shape, B, 0.3, chunks=chunks, threads=64)
 
 
 def test_tma_wide_spmm_with_segments_of_every_length(monkeypatch):
@@ -985,19 +997,13 @@ def test_tma_wide_spmm_with_segments_of_every_length(monkeypatch):
     # different parts side by side, and rows that need none
     from snack.gpu import ops
     monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
-    g = torch.Generator().manual_seed(3)
-    lengths = [90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 32, 33, 31, 40, 5]
-    mask = torch.zeros(len(lengths), 90, dtype=torch.bool)
-    for r, n in enumerate(lengths):
-        mask[r, torch.randperm(90, generator=g)[:n]] = True
-    idx = mask.nonzero().T.to(torch.int32)
-    coo = COO(idx, torch.randn(idx.shape[1], generator=g), tuple(mask.shape))
+    coo, g = _segments_of_every_length()
     x = torch.randn(35, 90, generator=g)
-    y = torch.full((35, len(lengths)), float("nan"))
+    y = torch.full((35, 17), float("nan"))
     with ops.wide_mode("tma"):
         G.spmm(x, coo.topology, coo.values, out=y, wide=True, threads=32)
-    assert _tma_plans(coo.topology)
-    assert _rel(y, spmm_reference(x.double(), coo.topology.indices, coo.values.double(), len(lengths))) < TOL[torch.float32]
+    assert _fed_plans(coo.topology)
+    assert _rel(y, spmm_reference(x.double(), coo.topology.indices, coo.values.double(), 17)) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -1021,22 +1027,6 @@ def test_tiles_transposed_kernel(dtype, nz):
 @pytest.mark.parametrize("shape,B,density", [((37, 45), 20, 0.3), ((70, 9), 33, 0.4), ((40, 300), 64, 0.05)])
 def test_gather_spmms(shape, B, density):
     # the gathering SpMMs (wide_mode "gather"): no staging, each entry reads its column's line of
-    # the transposed batch tiles; forward with and without a bias and dX (the transposed order,
-    # uint16 row index), partial tiles, rows past the last block's end, empty rows
-    from snack.gpu import ops
-    coo = COO.random(shape, density=density, seed=B)
-    t = coo.topology
-    g = torch.Generator().manual_seed(B)
-    x, dy, bias = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g), torch.randn(shape[0], generator=g)
-    y, yb = torch.full((B, shape[0]), float("nan")), torch.full((B, shape[0]), float("nan"))
-    dx = torch.full((B, shape[1]), float("nan"))
-    with ops.wide_mode("gather"):
-        G.spmm(x, t, coo.values, out=y, wide=True)
-        G.spmm(x, t, coo.values, out=yb, bias=bias, wide=True)
-        G.spmm_t(dy, t, coo.values, out=dx, wide=True)
-    assert len(_tma_plans(t)) == 3
-    xd, vd = x.double(), coo.values.double()
-    ref = spmm_reference(xd, t.indices, vd, shape[0])
-    assert _rel(y, ref) < TOL[torch.float32]
-    assert _rel(yb, ref + bias.double()) < TOL[torch.float32]
-    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, shape[1])) < TOL[torch.float32]
+    # the transposed batch tiles; partial tiles, rows past the last block's end, empty rows, and
+    # dX on the transposed order with its uint16 row index
+    _check_fed("gather", shape, B, density)
