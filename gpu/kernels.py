@@ -137,12 +137,13 @@ else:
         return _types.float32(arr, i, rank), codegen
 
 
-
-# Bulk copies of the 32-wide SpMMs' staged chunks (`make_spmm_wide_kernel(tma=True)`, sm_90):
-# one thread asks the copy engine (cp.async.bulk, the 1-D form of the Tensor Memory Accelerator)
-# to move a contiguous run of global memory into shared memory; an mbarrier per run counts its
-# bytes in, and any thread that needs the run waits on that barrier alone. Under the simulator
-# the copy is done at once by the issuing thread (the kernel then has a block barrier).
+# The kernels that read X as transposed batch tiles. The fed 32-wide SpMMs
+# (`make_spmm_wide_kernel(tma=...)`, sm_90) have their chunk copied into shared memory without
+# registers, by the copy engine (cp.async.bulk, the 1-D form of the Tensor Memory Accelerator)
+# or by every thread (cp.async); an mbarrier per run of columns counts it in, and any thread
+# that needs the run waits on that barrier alone. The gathering SpMM reads the tiles' lines
+# with 16-byte read-only loads. Under the simulator a copy is done at once by the thread that
+# asks for it (the kernel then has a block barrier).
 if _SIM:
     def _mbar_init(arr, i, count):
         pass
@@ -267,6 +268,18 @@ else:
                 "selp.u32 $0, 1, 0, snk_p;\n\t}", "=r,l,r,~{memory}", [a, _u32(builder, args[2])],
                 side_effect=True)
         return _types.int32(arr, i, phase), codegen
+
+
+@_inlined
+def _wait_parts(xs, mo, ready, upto):
+    """Waits for the fed wide SpMM's parts ready + 1 .. upto (their mbarriers at xs[mo + 2 s])
+    in turn; returns the last part now known complete."""
+    while ready < upto:
+        ready = int32(ready + 1)
+        while _mbar_try(xs, mo + uint32(2 * ready), 0) == 0:
+            pass
+    return ready
+
 
 @_ir_inlined
 def _ld_f32(a, i):
@@ -1207,18 +1220,15 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                 while (int32(NPART) << shp) < width:
                     shp += 1
                 src0 = (int64(b0 >> 5) * int64(n_cols) + int64(c0)) << 5
-                if BULK and tid == 0 and P_STAGE:
-                    for s in range(NPART):
-                        a = int32(s) << shp
-                        nc = min(int32(1) << shp, width - a)
-                        if nc > 0:
-                            _bulk_g2s(xs, uint32(a << 5), x, src0 + int64(a << 5), uint32(nc << 7), xs,
-                                      mo + uint32(2 * s))
-                if not BULK and P_STAGE:  # every thread: 16-byte pieces of each part, then its arrival
-                    for s in range(NPART):
-                        a = int32(s) << shp
-                        nc = min(int32(1) << shp, width - a)
-                        if nc > 0:
+                for s in range(NPART if P_STAGE else 0):
+                    a = int32(s) << shp
+                    nc = min(int32(1) << shp, width - a)
+                    if nc > 0:
+                        if BULK:  # thread 0 asks the copy engine for the part
+                            if tid == 0:
+                                _bulk_g2s(xs, uint32(a << 5), x, src0 + int64(a << 5), uint32(nc << 7), xs,
+                                          mo + uint32(2 * s))
+                        else:  # every thread: 16-byte pieces of the part, then its arrival
                             q = tid
                             while q < (nc << 3):
                                 _cp_async16(xs, uint32((a << 5) + (q << 2)), x, src0 + int64((a << 5) + (q << 2)))
@@ -1276,10 +1286,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                             need = int32(0)
                             for u in range(U):
                                 need = max(need, ccur[u] >> (shp + 5))
-                            while ready < need:
-                                ready += 1
-                                while _mbar_try(xs, mo + uint32(2 * ready), 0) == 0:
-                                    pass
+                            ready = _wait_parts(xs, mo, ready, need)
                         for u in range(U):
                             if P_FMA and (u == 0 or t + int32(8 * u) < n):  # warp-uniform
                                 ca = ccur[u]
@@ -1413,11 +1420,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
             if TMA and P_STAGE and tid == 0:
                 # no block may leave with copies into its shared memory in flight (its rows may
                 # not have needed every part)
-                last = ((width + (int32(1) << shp) - 1) >> shp) - 1
-                while ready < last:
-                    ready += 1
-                    while _mbar_try(xs, mo + uint32(2 * ready), 0) == 0:
-                        pass
+                ready = _wait_parts(xs, mo, ready, ((width + (int32(1) << shp) - 1) >> shp) - 1)
         cuda.syncthreads()
         # flush the output tile, consecutive threads on consecutive rows (coalesced): rows are
         # padded to a power of two, 2^sh >= nr, so that (col, row) = (tid >> sh, tid & mask)
@@ -1639,8 +1642,6 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
 ADAM_THREADS = 256
 
 
-
-
 GATHER_ROWS = 32  # rows per block of the gathering SpMM (a group of 8 lanes per row)
 GATHER_SMEM = GATHER_ROWS * 33 * 4  # its output tile
 
@@ -1742,17 +1743,19 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False):
     gather.__name__ = f"snack_spmm_gather_float32{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
     return _jit(gather, launch_bounds=(256,))
 
+
 @functools.lru_cache(maxsize=None)
 def make_tiles_t_kernel(kind: int):
-    """The `tma` wide SpMMs' input, and their zeroed sum, in one launch: xt[t, c, j] =
-    X[32 t + j, c] as float32 (0 past the batch), and z[:] = 0.
+    """The input of the SpMMs that read X as transposed batch tiles (the fed wide ones and the
+    gathering one), and the fed ones' zeroed sum, in one launch: xt[t, c, j] = X[32 t + j, c]
+    as float32 (0 past the batch), and z[:] = 0.
 
     Signature: (x, xt, z, batch, n_cols, nz); x (batch, n_cols) of kind `kind` (bfloat16 as int16
     bits), xt float32 (ceil(batch / 32) * n_cols * 32,), z float32 (nz,) (any array when nz = 0).
     Launch: grid (ceil(n_cols / 32), ceil(batch / 32)), 256 threads, TILES_T_SMEM bytes of
-    dynamic shared memory: a block moves a 32 x 32
-    square through shared memory (rows read and written 128 bytes at a time; the odd row stride
-    keeps the transposed reads conflict-free) and zeroes its share of z.
+    dynamic shared memory: a block moves a 32 x 32 square through shared memory (rows read and
+    written 128 bytes at a time; the odd row stride keeps the transposed reads conflict-free)
+    and zeroes its share of z.
     """
     ld = _LOADERS[kind]
 

@@ -461,7 +461,6 @@ def _wide_own(transposed: bool, short: bool) -> bool:
     return not transposed and not short
 
 
-
 def _tma_supported(device) -> bool:
     """Whether the `tma` wide kernels can run on `device`: the simulator, or a GPU of compute
     capability >= 9.0 (bulk copies and transaction-counting mbarriers)."""
@@ -564,16 +563,13 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
         ptr, idx, perm = topo.row_ptr, topo.indices[1], None
     third = perm if perm is not None else ptr
     idx16 = idx.dtype == torch.uint16
-    if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo) and WIDE_GATHER and kind == 0:
-        ntiles = -(-batch // kernels.WIDE)
-        kern = kernels.make_spmm_gather_kernel(perm is not None, has_bias)
-        plan = _spmm_launch(kern, (-(-n_rows // kernels.GATHER_ROWS), ntiles), 256, kernels.GATHER_SMEM,
-                            [ptr, idx, third], [n_rows, n_cols, batch], None)
-        plan[0].tiles_transposed = BoundLaunch(
-            kernels.make_tiles_t_kernel(kind), (-(-n_cols // kernels.WIDE), ntiles), 256, kernels.TILES_T_SMEM,
-            [None, None, None], [batch, n_cols, 0])
-        return plan
     if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo):
+        if WIDE_GATHER and kind == 0:
+            kern = kernels.make_spmm_gather_kernel(perm is not None, has_bias)
+            plan = _spmm_launch(kern, (-(-n_rows // kernels.GATHER_ROWS), -(-batch // kernels.WIDE)), 256,
+                                kernels.GATHER_SMEM, [ptr, idx, third], [n_rows, n_cols, batch], None)
+            plan[0].tiles_transposed = _tiles_t_launch(kind, batch, n_cols, 0)
+            return plan
         nch = wide_chunks(n_cols, device, chunks, batch)[0]
         own = _wide_own(transposed, _short_segments(topo, n_rows, nch))
         bound = (WIDE_OWN_BOUND or WIDE_OWN_THREADS) if own else 1024
@@ -600,9 +596,8 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
                                 [_seg(topo, transposed, nch, cw), idx, third],
                                 [n_rows, n_cols, batch, nch, cw, rpb, cps], sums, [d, d, d])
             if tma:  # x's transposed tiles (and the zeroed sums) come from one more launch
-                plan[0].tiles_transposed = BoundLaunch(
-                    kernels.make_tiles_t_kernel(kind), (-(-n_cols // kernels.WIDE), ntiles), 256, kernels.TILES_T_SMEM,
-                    [None, None, None], [batch, n_cols, batch * n_rows if sums == "atomic" else 0])
+                plan[0].tiles_transposed = _tiles_t_launch(kind, batch, n_cols,
+                                                           batch * n_rows if sums == "atomic" else 0)
             return plan
     tile, smem = choose_tile(batch, n_cols, device, bt)
     if tile is None:
@@ -615,6 +610,14 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
     else:
         kern = kernels.make_spmm_kernel(tile, kind, perm is not None, has_bias, idx16, vkind)
     return _spmm_launch(kern, (ntiles, gy), threads, smem, [ptr, idx, third], [n_rows, n_cols, batch], None)
+
+
+def _tiles_t_launch(kind: int, batch: int, n_cols: int, nz: int) -> BoundLaunch:
+    """The launch that writes x (batch, n_cols) of dtype kind `kind` as transposed batch tiles
+    and zeroes the first nz elements of the output (kernels.make_tiles_t_kernel), taking
+    [x, tiles, output] per call."""
+    return BoundLaunch(kernels.make_tiles_t_kernel(kind), (-(-n_cols // kernels.WIDE), -(-batch // kernels.WIDE)),
+                       256, kernels.TILES_T_SMEM, [None, None, None], [batch, n_cols, nz])
 
 
 def _spmm_launch(kern, grid, threads, smem, index, scalars, sums, extra=()):
