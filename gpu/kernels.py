@@ -1642,12 +1642,20 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
 ADAM_THREADS = 256
 
 
+@_inlined
+def _gather_value(val, perm, k, has_perm):
+    """The value of the gathering SpMM's entry k (through perm in the transposed order)."""
+    if has_perm:
+        return val[uint32(perm[uint32(k)])]
+    return val[uint32(k)]
+
+
 GATHER_ROWS = 32  # rows per block of the gathering SpMM (a group of 8 lanes per row)
 GATHER_SMEM = GATHER_ROWS * 33 * 4  # its output tile
 
 
 @functools.lru_cache(maxsize=None)
-def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False):
+def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bool = True, min_blocks: int = 0):
     """Y = X W^T (+ bias), float32, reading X as transposed batch tiles from global memory
     instead of staging it: for very sparse W, where a staged chunk would serve few non-zeros.
 
@@ -1663,9 +1671,13 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False):
     Launch: grid (ceil(n_rows / GATHER_ROWS), ceil(B / 32)), 256 threads, GATHER_SMEM bytes of
     dynamic shared memory. As the transposed SpMM: idx W's row index in column-major order
     (int32 or uint16), val read through perm.
+    With `prefetch`, a lane loads its entry of the next round (index and value) before the
+    round's lines, so that only the first round waits for two loads in a row. `min_blocks`
+    (0: none) is the launch bound's blocks per SM (registers capped at 65536 / (256 min_blocks)).
     """
     HAS_PERM = has_perm
     HAS_BIAS = has_bias
+    PREFETCH = prefetch
 
     def gather(x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch):
         ys = cuda.shared.array(0, dtype=float32, alignment=16)  # ys[row * 33 + batch column]
@@ -1694,16 +1706,29 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False):
         a2 = float32(0.0)
         a3 = float32(0.0)
         i0 = int32(0)
+        k = s0 + kq
+        cn = int32(0)
+        vn = float32(0.0)
+        if PREFETCH and k < s1:
+            cn = int32(idx[uint32(k)])
+            vn = _gather_value(val, perm, k, HAS_PERM)
         while i0 < n:  # warp-uniform: the longest of the warp's four rows
             k = s0 + i0 + kq
-            c = int32(0)
-            v = float32(0.0)
-            if k < s1:
-                c = int32(idx[uint32(k)])
-                if HAS_PERM:
-                    v = val[uint32(perm[uint32(k)])]
-                else:
-                    v = val[uint32(k)]
+            if PREFETCH:
+                c = cn
+                v = vn
+                kn = k + 8
+                cn = int32(0)
+                vn = float32(0.0)
+                if kn < s1:
+                    cn = int32(idx[uint32(kn)])
+                    vn = _gather_value(val, perm, kn, HAS_PERM)
+            else:
+                c = int32(0)
+                v = float32(0.0)
+                if k < s1:
+                    c = int32(idx[uint32(k)])
+                    v = _gather_value(val, perm, k, HAS_PERM)
             # the 8 entries' lines are all requested before any is used (entries past a row's
             # end have value 0 and read column 0's line, which the L1 keeps)
             for i in range(8):
@@ -1740,8 +1765,9 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False):
             if b < batch and rr < n_rows:
                 y[uint32(b * int32(n_rows) + rr)] = ys[uint32(rl * 33 + j)]
 
-    gather.__name__ = f"snack_spmm_gather_float32{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
-    return _jit(gather, launch_bounds=(256,))
+    gather.__name__ = (f"snack_spmm_gather_float32{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
+                       f"{'' if prefetch else '_noprefetch'}{f'_mb{min_blocks}' if min_blocks else ''}")
+    return _jit(gather, launch_bounds=(256, min_blocks) if min_blocks else (256,))
 
 
 @functools.lru_cache(maxsize=None)

@@ -398,7 +398,7 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
                                CLUSTER_SUMS,
                                WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE,
-                               WIDE_TMA, WIDE_GATHER),
+                               WIDE_TMA, WIDE_GATHER, GATHER_PREFETCH, GATHER_MIN_BLOCKS),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
 
@@ -440,12 +440,25 @@ WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_TH
 # (gpu/PERFORMANCE.md); cp.async not yet measured.
 WIDE_TMA = False
 
-# Where the SpMMs would take the 32-wide kernels, gather instead (kernels.make_spmm_gather_kernel;
-# float32): x goes in as transposed batch tiles and each non-zero reads its column's 128-byte
-# line of them from global memory (L2 / L1), with no staging, no column chunks and no zeroed
-# output; meant for very sparse W (99 %), where a staged chunk serves few non-zeros. Off by
-# default (wide_mode("gather")); not yet measured on a GPU.
-WIDE_GATHER = False
+# The gathering SpMMs (kernels.make_spmm_gather_kernel; float32): x goes in as transposed batch
+# tiles (one more launch, kernels.make_tiles_t_kernel) and each non-zero reads its column's
+# 128-byte line of them from global memory (L2 / L1), with no staging, no column chunks and no
+# zeroed output: for very sparse W, where a staged chunk serves few non-zeros. WIDE_GATHER: None
+# (default) where W is at most GATHER_MAX_DENSITY dense from B = GATHER_FROM_B on, unless the call
+# names `wide`; True wherever the 32-wide kernels would run; False never. Measured on an H100
+# (4096 x 4096, graph medians with the transposing launch, us, default -> gather; cuSPARSE CSR
+# alongside): forward at 99 %, B = 128 19.41 -> 13.44 (22.21), B = 64 13.31 -> 9.31 (19.37),
+# B = 32 8.76 -> 7.77 (18.99); 98 %, B = 128 24.48 -> 20.40 (31.70), B = 64 17.81 -> 13.10;
+# 97 %, B = 128 27.58 -> 27.79: no gain; dX at 99 %, B = 128 22.22 -> 17.70, 98 % 30.18 -> 26.49
+# (gpu/PERFORMANCE.md). The forward prefetches each round's entries (GATHER_PREFETCH: 19.0 ->
+# 17.5 us at 99 %, B = 128 without the launch bound; dX is 0.4-0.6 us faster without) and is
+# compiled for GATHER_MIN_BLOCKS blocks per SM (64 registers instead of 73: the 512 blocks of
+# B = 128 in one wave on 132 SMs; 17.5 -> 13.4 us).
+WIDE_GATHER: Optional[bool] = None
+GATHER_MAX_DENSITY = 0.025
+GATHER_FROM_B = 32
+GATHER_PREFETCH: Optional[bool] = None  # None: the forward prefetches, dX does not
+GATHER_MIN_BLOCKS = 4
 
 
 # Timing decomposition only (results are wrong when set): the 32-wide SpMMs are built with
@@ -476,7 +489,7 @@ WIDE_MODES = ("auto", "warp", "rows4", "own", "tma", "cpasync", "gather")
 @contextlib.contextmanager
 def wide_mode(mode: str, sddmm: bool = False):
     """Within the block, the 32-wide SpMMs take their rows in mode `mode`: "auto" (the defaults:
-    WIDE_OWN, WIDE_ROWS4_BELOW), "warp" (a warp per row), "rows4" (a row per group of 8 lanes) or
+    WIDE_OWN, WIDE_ROWS4_BELOW, WIDE_GATHER; the other modes never gather), "warp" (a warp per row), "rows4" (a row per group of 8 lanes) or
     "own" (a row per group of 8 lanes, lanes owning whole non-zeros), "tma" ("own" with the
     chunk brought in by the copy engine, WIDE_TMA = 1, where it applies), "cpasync" (the same
     with cp.async copies by every thread, WIDE_TMA = 2), "gather" (no staging: each non-zero
@@ -497,8 +510,7 @@ def wide_mode(mode: str, sddmm: bool = False):
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 10 ** 9
     elif mode in ("own", "tma", "cpasync"):
         WIDE_OWN, WIDE_TMA = True, {"own": False, "tma": 1, "cpasync": 2}[mode]
-    elif mode == "gather":
-        WIDE_GATHER = True
+    WIDE_GATHER = {"auto": WIDE_GATHER, "gather": True}.get(mode, False)
     if sddmm and mode != "auto":
         SDDMM_ROWS4 = mode == "rows4"
     try:
@@ -553,6 +565,15 @@ def _sddmm_column_staged(tile: int, topo: Topology) -> bool:
     return SDDMM_COLUMN_STAGING and tile > 1 and _density(topo) <= OWN_COLS_MAX_DENSITY
 
 
+def _gathers(batch: int, wide: Optional[bool], op: str, kind: int, topo: Topology) -> bool:
+    """Whether an SpMM of plan kind `kind` gathers (see WIDE_GATHER)."""
+    if kind != 0:
+        return False
+    if WIDE_GATHER is not None:
+        return bool(WIDE_GATHER) and _use_wide(batch, wide, op, topo)
+    return wide is None and batch >= GATHER_FROM_B and _density(topo) <= GATHER_MAX_DENSITY
+
+
 def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias, mode):
     kind, vkind = _kinds(kind)
     if transposed:
@@ -563,13 +584,15 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
         ptr, idx, perm = topo.row_ptr, topo.indices[1], None
     third = perm if perm is not None else ptr
     idx16 = idx.dtype == torch.uint16
-    if _use_wide(batch, wide, "spmm_t" if transposed else "spmm", topo):
-        if WIDE_GATHER and kind == 0:
-            kern = kernels.make_spmm_gather_kernel(perm is not None, has_bias)
-            plan = _spmm_launch(kern, (-(-n_rows // kernels.GATHER_ROWS), -(-batch // kernels.WIDE)), 256,
-                                kernels.GATHER_SMEM, [ptr, idx, third], [n_rows, n_cols, batch], None)
-            plan[0].tiles_transposed = _tiles_t_launch(kind, batch, n_cols, 0)
-            return plan
+    op = "spmm_t" if transposed else "spmm"
+    if _gathers(batch, wide, op, kind, topo):
+        prefetch = not transposed if GATHER_PREFETCH is None else GATHER_PREFETCH
+        kern = kernels.make_spmm_gather_kernel(perm is not None, has_bias, prefetch, GATHER_MIN_BLOCKS)
+        plan = _spmm_launch(kern, (-(-n_rows // kernels.GATHER_ROWS), -(-batch // kernels.WIDE)), 256,
+                            kernels.GATHER_SMEM, [ptr, idx, third], [n_rows, n_cols, batch], None)
+        plan[0].tiles_transposed = _tiles_t_launch(kind, batch, n_cols, 0)
+        return plan
+    if _use_wide(batch, wide, op, topo):
         nch = wide_chunks(n_cols, device, chunks, batch)[0]
         own = _wide_own(transposed, _short_segments(topo, n_rows, nch))
         bound = (WIDE_OWN_BOUND or WIDE_OWN_THREADS) if own else 1024

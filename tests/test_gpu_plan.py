@@ -300,3 +300,33 @@ def test_bound_launch_cluster_checks(monkeypatch):
     b = BoundLaunch(None, (4, 1, 1), 32, 0, [None], [], cluster=2)
     with pytest.raises(RuntimeError, match="thread-block cluster launches need the driver launch path"):
         b([torch.zeros(1)], torch.device("cpu"))
+
+
+def test_gathering_spmm_chosen_for_very_sparse_w_from_b32(h200):
+    # float32, W at most GATHER_MAX_DENSITY dense, B >= GATHER_FROM_B, no `wide` named;
+    # wide_mode("gather") gathers wherever the 32-wide kernels would run, the staged modes never
+    from snack.core import COO
+    from snack.gpu import kernels
+    sparse = COO.random((300, 400), density=0.02, seed=0).topology
+    denser = COO.random((300, 400), density=0.05, seed=0).topology
+    assert ops._density(sparse) <= ops.GATHER_MAX_DENSITY < ops._density(denser)
+    assert ops._gathers(32, None, "spmm", 0, sparse) and ops._gathers(128, None, "spmm_t", 0, sparse)
+    assert not ops._gathers(31, None, "spmm", 0, sparse)
+    assert not ops._gathers(128, None, "spmm", 0, denser)
+    assert not any(ops._gathers(128, None, "spmm", k, sparse) for k in (1, 2, 3, 4, 5))  # float32 only
+    assert not ops._gathers(128, True, "spmm", 0, sparse) and not ops._gathers(128, False, "spmm", 0, sparse)
+    with ops.wide_mode("gather"):
+        assert ops._gathers(128, True, "spmm", 0, denser) and ops._gathers(128, None, "spmm", 0, denser)
+        assert not ops._gathers(128, False, "spmm", 0, sparse) and not ops._gathers(8, None, "spmm", 0, denser)
+    for mode in ("own", "warp", "rows4"):
+        with ops.wide_mode(mode):
+            assert not ops._gathers(128, None, "spmm", 0, sparse)
+    assert ops.WIDE_GATHER is None
+    # the plans: the forward prefetches its entries, dX does not; x goes in transposed
+    for transposed, n_rows in ((False, 300), (True, 400)):
+        bound = ops._build_spmm_plan(sparse, transposed, 40, 0, "cuda:0", None, 1024, None, None, None, False,
+                                     "atomic")[0]
+        assert bound.dispatcher is kernels.make_spmm_gather_kernel(transposed, False, not transposed,
+                                                                   ops.GATHER_MIN_BLOCKS)
+        assert bound.grid == (-(-n_rows // kernels.GATHER_ROWS), 2, 1) and bound.block == 256
+        assert bound.tiles_transposed.grid == (-(-(700 - n_rows) // kernels.WIDE), 2, 1)
