@@ -63,9 +63,8 @@ def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=Fa
     128-byte line per load, and its leftovers), float32 and float16, a shorter run; mixed:
     float32 values and bias with float16 / bfloat16 x and dy (the mixed-precision variants of the
     SpMMs), every variant; fed: only the SpMMs that read x as transposed batch tiles (the
-    lane-owned wide ones fed by bulk copies and by cp.async, and the gathering ones: wide_mode
-    "tma", "cpasync" and "gather", float32), a shorter run. Prints one line per shape as it goes (a sanitizer run cut short still
-    shows how far it got). dtypes: only these activation dtypes (names, e.g. ("float32",)) of
+    gathering ones: wide_mode "gather", float32), a shorter run. Prints one line per shape as it
+    goes (a sanitizer run cut short still shows how far it got). dtypes: only these activation dtypes (names, e.g. ("float32",)) of
     the run's; shapes: only the run's shapes at these positions (0-based), for sanitizer runs
     split over several calls."""
     import snack.gpu as G
@@ -106,8 +105,7 @@ def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=Fa
                     {"wide": True, "chunks": 3, "split": 1, "mode": "warp"},
                     {"wide": True, "chunks": 3, "split": 1, "mode": "rows4"},
                     {"wide": True, "chunks": 3, "mode": "warp"}, {"wide": True, "chunks": 3, "mode": "rows4"}) + owned
-            fed_variants = tuple({"wide": True, "mode": m, **c} for m in ("tma", "cpasync")
-                                 for c in ({}, {"chunks": 3})) + ({"wide": True, "mode": "gather"},)
+            fed_variants = ({"wide": True, "mode": "gather"},)
             variants = (({"wide": False},) if tiled else owned if own else fed_variants if fed else wide if staging
                         else ({},) + wide)
             for opts in variants:
@@ -163,7 +161,7 @@ def cli(argv=None):
                     help="only shapes with full 32-row batch tiles and runs of 32 columns (the wide "
                          "kernels' line-at-a-time staging), float32 and float16: a shorter run")
     ap.add_argument("--fed", action="store_true",
-                    help="only the SpMMs that read x as transposed batch tiles (wide modes tma, cpasync, gather; "
+                    help="only the SpMMs that read x as transposed batch tiles (wide mode gather; "
                          "float32): a shorter run")
     ap.add_argument("--mixed", action="store_true",
                     help="float32 values and bias with float16 / bfloat16 activations (the SpMMs' "

@@ -7,8 +7,8 @@ float64 dense products. Dense cuBLAS is printed alongside for scale. Used to cho
 in gpu/ops.py (`choose_tile`, `WIDE_FROM`, `_wide_plan`).
 
 With `--wide-modes` the 32-wide SpMMs are also timed in each row mode named (`snack.gpu.ops.wide_mode`:
-auto = the defaults, warp, rows4, own; and the kernels that read x as transposed batch tiles:
-tma, cpasync, gather), e.g. the A/B behind `ops.WIDE_OWN`:
+auto = the defaults, warp, rows4, own; and gather, the kernels that read x as transposed batch
+tiles), e.g. the A/B behind `ops.WIDE_OWN`:
 `--batch 32,128 --bt 8 --threads 1024 --chunks auto --split auto --wide-modes warp,own`.
 `--own-threads` also sweeps the block size the lane-owned wide SpMMs are compiled and launched
 with (`ops.WIDE_OWN_THREADS`, its launch bound, so 65536 / threads registers per thread), e.g.
@@ -45,7 +45,7 @@ def main(argv=None):
     ap.add_argument("--split", default="1,2,auto", help="chunk groups per row block (auto: one chunk per block)")
     ap.add_argument("--wide-from", type=int, default=16, help="smallest B for which wide settings are tried")
     ap.add_argument("--wide-modes", default="auto",
-                    help="row modes of the wide SpMMs to time (auto,warp,rows4,own,tma,cpasync,gather; see ops.wide_mode)")
+                    help="row modes of the wide SpMMs to time (auto,warp,rows4,own,gather; see ops.wide_mode)")
     ap.add_argument("--own-threads", default="auto",
                     help="block sizes of the lane-owned wide SpMMs (ops.WIDE_OWN_THREADS; auto: the default), "
                          "multiples of 32 up to 1024; --threads must be at least as large")

@@ -102,10 +102,6 @@ else:
         iv = builder.zext(iv, i64) if iv.type.width < 64 else iv
         return builder.ptrtoint(builder.gep(data, [iv]), i64)
 
-    def _u32(builder, v):
-        return builder.trunc(v, _ir.IntType(32)) if v.type.width > 32 else (
-            builder.zext(v, _ir.IntType(32)) if v.type.width < 32 else v)
-
     @_intrinsic
     def _cluster_sync(typingctx):
         """barrier.cluster (arrive + wait): every thread of every block of the thread-block
@@ -137,108 +133,12 @@ else:
         return _types.float32(arr, i, rank), codegen
 
 
-# The kernels that read X as transposed batch tiles. The fed 32-wide SpMMs
-# (`make_spmm_wide_kernel(tma=...)`, sm_90) have their chunk copied into shared memory without
-# registers, by the copy engine (cp.async.bulk, the 1-D form of the Tensor Memory Accelerator)
-# or by every thread (cp.async); an mbarrier per run of columns counts it in, and any thread
-# that needs the run waits on that barrier alone. The gathering SpMM reads the tiles' lines
-# with 16-byte read-only loads. Under the simulator a copy is done at once by the thread that
-# asks for it (the kernel then has a block barrier).
+# The gathering SpMM reads the lines of X's transposed batch tiles with 16-byte read-only loads.
 if _SIM:
-    def _mbar_init(arr, i, count):
-        pass
-
-    def _mbar_fence_init():
-        pass
-
-    def _bulk_g2s(dst, di, src, si, nbytes, bar, bi):
-        for e in range(int(nbytes) // 4):
-            dst[int(di) + e] = src[int(si) + e]
-
-    def _mbar_try(arr, i, phase):
-        return 1
-
-    def _cp_async16(dst, di, src, si):
-        for e in range(4):
-            dst[int(di) + e] = src[int(si) + e]
-
-    def _cp_async_arrive(bar, bi):
-        pass
-
     def _ldg4(arr, i):
         i = int(i)
         return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
 else:
-    @_intrinsic
-    def _mbar_init(typingctx, arr, i, count):
-        """mbarrier.init of the 8 bytes at arr[i] (shared, 8-byte aligned) for `count` arrivals."""
-        def codegen(context, builder, signature, args):
-            a = _elem_addr(context, builder, signature.args[0], args[0], args[1])
-            builder.asm(_ir.FunctionType(_ir.VoidType(), [_ir.IntType(64), _ir.IntType(32)]),
-                        "{\n\t.reg .u64 snk_a;\n\tcvta.to.shared.u64 snk_a, $0;\n\t"
-                        "mbarrier.init.shared::cta.b64 [snk_a], $1;\n\t}", "l,r,~{memory}",
-                        [a, _u32(builder, args[2])], side_effect=True)
-            return context.get_dummy_value()
-        return _types.void(arr, i, count), codegen
-
-    @_intrinsic
-    def _mbar_fence_init(typingctx):
-        """Makes initialised mbarriers visible to the copy engine (the async proxy); a block
-        barrier must follow before any thread uses them."""
-        def codegen(context, builder, signature, args):
-            builder.asm(_ir.FunctionType(_ir.VoidType(), []),
-                        "fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;", "~{memory}", [],
-                        side_effect=True)
-            return context.get_dummy_value()
-        return _types.void(), codegen
-
-    @_intrinsic
-    def _bulk_g2s(typingctx, dst, di, src, si, nbytes, bar, bi):
-        """dst[di ..] (shared, 16-byte aligned) <- nbytes (a multiple of 16) from src[si ..]
-        (global, 16-byte aligned) by the copy engine; mbarrier bar[bi] (one arrival expected)
-        takes this thread's arrival with the byte count and completes when the bytes are in."""
-        def codegen(context, builder, signature, args):
-            d = _elem_addr(context, builder, signature.args[0], args[0], args[1])
-            s = _elem_addr(context, builder, signature.args[2], args[2], args[3])
-            b = _elem_addr(context, builder, signature.args[5], args[5], args[6])
-            builder.asm(_ir.FunctionType(_ir.VoidType(), [_ir.IntType(64)] * 3 + [_ir.IntType(32)]),
-                        "{\n\t.reg .u64 snk_d, snk_b;\n\t.reg .u32 snk_d32, snk_b32;\n\t"
-                        "cvta.to.shared.u64 snk_d, $0;\n\tcvta.to.shared.u64 snk_b, $2;\n\t"
-                        "cvt.u32.u64 snk_d32, snk_d;\n\tcvt.u32.u64 snk_b32, snk_b;\n\t"
-                        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [snk_b32], $3;\n\t"
-                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                        "[snk_d32], [$1], $3, [snk_b32];\n\t}", "l,l,l,r,~{memory}",
-                        [d, s, b, _u32(builder, args[4])], side_effect=True)
-            return context.get_dummy_value()
-        return _types.void(dst, di, src, si, nbytes, bar, bi), codegen
-
-    @_intrinsic
-    def _cp_async16(typingctx, dst, di, src, si):
-        """dst[di .. di + 3] (shared) <- src[si .. si + 3] (global), 16 bytes, both 16-byte
-        aligned, copied without passing through registers (cp.async, L1 bypassed)."""
-        def codegen(context, builder, signature, args):
-            d = _elem_addr(context, builder, signature.args[0], args[0], args[1])
-            s_ = _elem_addr(context, builder, signature.args[2], args[2], args[3])
-            builder.asm(_ir.FunctionType(_ir.VoidType(), [_ir.IntType(64)] * 2),
-                        "{\n\t.reg .u64 snk_d;\n\t.reg .u32 snk_d32;\n\tcvta.to.shared.u64 snk_d, $0;\n\t"
-                        "cvt.u32.u64 snk_d32, snk_d;\n\tcp.async.cg.shared.global [snk_d32], [$1], 16;\n\t}",
-                        "l,l,~{memory}", [d, s_], side_effect=True)
-            return context.get_dummy_value()
-        return _types.void(dst, di, src, si), codegen
-
-    @_intrinsic
-    def _cp_async_arrive(typingctx, bar, bi):
-        """The mbarrier at bar[bi] counts this thread's arrival once all its earlier cp.async
-        copies are done (noinc: the arrival is one of the count it was initialised with)."""
-        def codegen(context, builder, signature, args):
-            b = _elem_addr(context, builder, signature.args[0], args[0], args[1])
-            builder.asm(_ir.FunctionType(_ir.VoidType(), [_ir.IntType(64)]),
-                        "{\n\t.reg .u64 snk_b;\n\t.reg .u32 snk_b32;\n\tcvta.to.shared.u64 snk_b, $0;\n\t"
-                        "cvt.u32.u64 snk_b32, snk_b;\n\tcp.async.mbarrier.arrive.noinc.shared.b64 [snk_b32];\n\t}",
-                        "l,~{memory}", [b], side_effect=True)
-            return context.get_dummy_value()
-        return _types.void(bar, bi), codegen
-
     @_intrinsic
     def _ldg4(typingctx, arr, i):
         """(arr[i], arr[i + 1], arr[i + 2], arr[i + 3]) of a float32 global array, i a multiple of
@@ -253,32 +153,6 @@ else:
                              side_effect=False)
             return context.make_tuple(builder, ret, [builder.extract_value(st, k) for k in range(4)])
         return ret(arr, i), codegen
-
-    @_intrinsic
-    def _mbar_try(typingctx, arr, i, phase):
-        """1 once the mbarrier at arr[i] has completed phase `phase` (0 or 1), else 0 (the
-        hardware may suspend the thread a while before it answers 0)."""
-        def codegen(context, builder, signature, args):
-            a = _elem_addr(context, builder, signature.args[0], args[0], args[1])
-            return builder.asm(
-                _ir.FunctionType(_ir.IntType(32), [_ir.IntType(64), _ir.IntType(32)]),
-                "{\n\t.reg .u64 snk_a;\n\t.reg .u32 snk_a32;\n\t.reg .pred snk_p;\n\t"
-                "cvta.to.shared.u64 snk_a, $1;\n\tcvt.u32.u64 snk_a32, snk_a;\n\t"
-                "mbarrier.try_wait.parity.shared::cta.b64 snk_p, [snk_a32], $2;\n\t"
-                "selp.u32 $0, 1, 0, snk_p;\n\t}", "=r,l,r,~{memory}", [a, _u32(builder, args[2])],
-                side_effect=True)
-        return _types.int32(arr, i, phase), codegen
-
-
-@_inlined
-def _wait_parts(xs, mo, ready, upto):
-    """Waits for the fed wide SpMM's parts ready + 1 .. upto (their mbarriers at xs[mo + 2 s])
-    in turn; returns the last part now known complete."""
-    while ready < upto:
-        ready = int32(ready + 1)
-        while _mbar_try(xs, mo + uint32(2 * ready), 0) == 0:
-            pass
-    return ready
 
 
 @_ir_inlined
@@ -836,11 +710,6 @@ def _sddmm_kernel(bt, kind, with_db, cols):
 # blocks, partial rows are added into a zeroed fp32 output with atomics.
 # ---------------------------------------------------------------------------------------------
 WIDE = 32
-# The `tma` wide SpMM's staged chunk comes in as TMA_PARTS bulk copies, an 8-byte mbarrier each
-# (TMA_BAR_BYTES of dynamic shared memory after the output tile, with 4 bytes for alignment).
-TMA_PARTS = 8
-TMA_BAR_BYTES = 8 * TMA_PARTS + 4
-TILES_T_SMEM = 32 * 33 * 4
 
 
 def _check_sums(sums: Optional[str], cluster: bool = False):
@@ -1032,7 +901,7 @@ def _make_stage_quad(ld, plain=False):
 def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
                           rows4: bool = False, own: bool = False, threads: int = 1024, per_lane: int = 4,
-                          probe: int = 0, vkind: Optional[int] = None, tma: int = 0):
+                          probe: int = 0, vkind: Optional[int] = None):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -1086,31 +955,18 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     `probe` (timing decomposition only, results wrong): bits leave phases out, 1 the staging,
     2 the rows, 4 the output flush, 8 the lane-owned products. `vkind`: the kind of val and
     bias, None for x's (dv and db keep x's kind).
-    `tma` (with `own`, one column chunk per block: cps = 1; sm_90): x is not X but its batch
-    tiles transposed, float32 (n_batch_tiles, n_cols, 32) with zeros past the batch
-    (`make_tiles_t_kernel`), so that the chunk's staged layout, xs[cl * 32 + j], is one
-    contiguous run of it. With tma = 1 thread 0 has the copy engine bring it in as TMA_PARTS
-    bulk copies of 2^s columns each, with tma = 2 every thread copies 16-byte pieces of each
-    part with cp.async (no registers either); each part is counted in by an mbarrier of its own,
-    and the rows start at once:
-    before a round a lane waits for the parts up to the one holding the last column it reads
-    (a row's entries come in column order). No registers or instructions go to the staging, and
-    it overlaps the rows instead of preceding them. Dynamic shared memory: TMA_BAR_BYTES more
-    than without (the barriers follow the output tile).
     """
     return _spmm_wide_kernel(int(kind), bool(has_perm), sums, bool(has_bias), bool(idx16), bool(fused),
                              bool(with_db), bool(rows4), bool(own), int(threads), int(per_lane), int(probe),
-                             _vkind(kind, vkind), int(tma))
+                             _vkind(kind, vkind))
 
 
 @functools.lru_cache(maxsize=None)
 def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, rows4, own, threads, per_lane,
-                      probe, vkind, tma):
+                      probe, vkind):
     """make_spmm_wide_kernel, cached on its arguments however they were passed."""
     if own and (fused or rows4):
         raise ValueError("own is a variant of the plain SpMMs, without fused or rows4")
-    if tma and not own:
-        raise ValueError("tma is a variant of the lane-owned SpMM (own=True)")
     if fused and (not has_perm or has_bias):
         raise ValueError("the fused backward runs on the transposed order (has_perm) without a bias")
     if with_db and not fused:
@@ -1128,9 +984,6 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     WITH_DB = with_db
     ROWS4 = rows4
     OWN = own
-    TMA = tma != 0
-    BULK = tma == 1
-    NPART = TMA_PARTS
     U = per_lane if own else 1
     ROWG = rows4 or own  # a row per group of 8 lanes
     P_STAGE = (probe & 1) == 0
@@ -1176,15 +1029,6 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
         while e < rows_per_block * 33:
             xs[uint32(ybase + e)] = float32(0.0)
             e += nthreads
-        # (TMA) the parts' mbarriers, 8 bytes each, after the output tile; ready: the last part
-        # this lane has seen complete
-        mo = uint32((ybase + int32(rows_per_block) * 33 + 1) & -2)
-        ready = int32(-1)
-        shp = int32(0)
-        if TMA:
-            if tid < NPART:  # (bulk) one arrival with the byte count; (cp.async) one per thread
-                _mbar_init(xs, mo + uint32(2 * tid), 1 if BULK else nthreads)
-            _mbar_fence_init()
 
         lane = tid & 31
         g = lane >> 3
@@ -1214,34 +1058,11 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                     crs[u], vas[u] = load_nz(idx, val, perm, int32(s0 + kq + 8 * u), s1, c0)
             else:
                 cr, va = load_nz(idx, val, perm, int32(s0 + (kq if ROWS4 else lane)), s1, c0)
-            if TMA:
-                # (one chunk per block) part s holds columns [s << shp, (s + 1) << shp) of it
-                cuda.syncthreads()  # the barriers are initialised, the output tile zeroed
-                while (int32(NPART) << shp) < width:
-                    shp += 1
-                src0 = (int64(b0 >> 5) * int64(n_cols) + int64(c0)) << 5
-                for s in range(NPART if P_STAGE else 0):
-                    a = int32(s) << shp
-                    nc = min(int32(1) << shp, width - a)
-                    if nc > 0:
-                        if BULK:  # thread 0 asks the copy engine for the part
-                            if tid == 0:
-                                _bulk_g2s(xs, uint32(a << 5), x, src0 + int64(a << 5), uint32(nc << 7), xs,
-                                          mo + uint32(2 * s))
-                        else:  # every thread: 16-byte pieces of the part, then its arrival
-                            q = tid
-                            while q < (nc << 3):
-                                _cp_async16(xs, uint32((a << 5) + (q << 2)), x, src0 + int64((a << 5) + (q << 2)))
-                                q += nthreads
-                            _cp_async_arrive(xs, mo + uint32(2 * s))
-                if _SIM:
-                    cuda.syncthreads()  # the simulator's copies are done by thread 0 at once
-            else:
-                if ch > ch0:
-                    cuda.syncthreads()  # the previous chunk is consumed
-                if P_STAGE:
-                    stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
-                cuda.syncthreads()
+            if ch > ch0:
+                cuda.syncthreads()  # the previous chunk is consumed
+            if P_STAGE:
+                stage(xs, buf, x, b0, c0, width, batch, n_cols, tid, nthreads)
+            cuda.syncthreads()
             if WITH_DB and cuda.blockIdx.z == 0:
                 # db over the chunk's columns: the sum of a staged 128-byte row is the sum over
                 # the batch whatever the swizzle; lane l starts at word l (conflict-free)
@@ -1280,13 +1101,6 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                             for u in range(U):
                                 vcur[u] = vas[u]
                                 crs[u], vas[u] = load_nz(idx, val, perm, int32(e0 + int32(8 * u)), e1, c0)
-                        if TMA and P_STAGE:
-                            # the parts holding the columns this round reads (entries past a
-                            # segment read column c0 or the next row's, in column order)
-                            need = int32(0)
-                            for u in range(U):
-                                need = max(need, ccur[u] >> (shp + 5))
-                            ready = _wait_parts(xs, mo, ready, need)
                         for u in range(U):
                             if P_FMA and (u == 0 or t + int32(8 * u) < n):  # warp-uniform
                                 ca = ccur[u]
@@ -1417,10 +1231,6 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                 s0 = ns0
                 s1 = ns1
                 r = rn
-            if TMA and P_STAGE and tid == 0:
-                # no block may leave with copies into its shared memory in flight (its rows may
-                # not have needed every part)
-                ready = _wait_parts(xs, mo, ready, ((width + (int32(1) << shp) - 1) >> shp) - 1)
         cuda.syncthreads()
         # flush the output tile, consecutive threads on consecutive rows (coalesced): rows are
         # padded to a power of two, 2^sh >= nr, so that (col, row) = (tid >> sh, tid & mask)
@@ -1502,7 +1312,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
                           f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
                           f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}"
-                          f"{('', '_tma', '_cpasync')[tma]}{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
+                          f"{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
     return _jit(spmm_wide, launch_bounds=(threads,))
 
 
@@ -1652,6 +1462,7 @@ def _gather_value(val, perm, k, has_perm):
 
 GATHER_ROWS = 32  # rows per block of the gathering SpMM (a group of 8 lanes per row)
 GATHER_SMEM = GATHER_ROWS * 33 * 4  # its output tile
+TILES_T_SMEM = 32 * 33 * 4  # the square of the kernel that writes its input (make_tiles_t_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1772,20 +1583,18 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bo
 
 @functools.lru_cache(maxsize=None)
 def make_tiles_t_kernel(kind: int):
-    """The input of the SpMMs that read X as transposed batch tiles (the fed wide ones and the
-    gathering one), and the fed ones' zeroed sum, in one launch: xt[t, c, j] = X[32 t + j, c]
-    as float32 (0 past the batch), and z[:] = 0.
+    """The input of the gathering SpMM, X as transposed batch tiles: xt[t, c, j] = X[32 t + j, c]
+    as float32 (0 past the batch).
 
-    Signature: (x, xt, z, batch, n_cols, nz); x (batch, n_cols) of kind `kind` (bfloat16 as int16
-    bits), xt float32 (ceil(batch / 32) * n_cols * 32,), z float32 (nz,) (any array when nz = 0).
+    Signature: (x, xt, batch, n_cols); x (batch, n_cols) of kind `kind` (bfloat16 as int16
+    bits), xt float32 (ceil(batch / 32) * n_cols * 32,).
     Launch: grid (ceil(n_cols / 32), ceil(batch / 32)), 256 threads, TILES_T_SMEM bytes of
     dynamic shared memory: a block moves a 32 x 32 square through shared memory (rows read and
-    written 128 bytes at a time; the odd row stride keeps the transposed reads conflict-free)
-    and zeroes its share of z.
+    written 128 bytes at a time; the odd row stride keeps the transposed reads conflict-free).
     """
     ld = _LOADERS[kind]
 
-    def tiles_t(x, xt, z, batch, n_cols, nz):
+    def tiles_t(x, xt, batch, n_cols):
         sq = cuda.shared.array(0, dtype=float32)  # 32 x 33 (dynamic: TILES_T_SMEM bytes)
         tid = int32(cuda.threadIdx.x)
         lane = tid & 31
@@ -1805,11 +1614,6 @@ def make_tiles_t_kernel(kind: int):
             cc = row + 8 * i
             if c0 + cc < n_cols:
                 xt[(int64(t) * int64(n_cols) + int64(c0 + cc)) * 32 + int64(lane)] = sq[lane * 33 + cc]
-        e = int64(cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(tid)
-        step = int64(cuda.gridDim.x * cuda.gridDim.y) * int64(cuda.blockDim.x)
-        while e < nz:
-            z[e] = float32(0.0)
-            e += step
 
     tiles_t.__name__ = f"snack_tiles_t_{KINDS[kind]}"
     return _jit(tiles_t)

@@ -462,7 +462,7 @@ class BoundLaunch:
         self.dyn_scalars = [j for j, v in enumerate(scalars) if v is None]
         self._state = {}
         self._lock = threading.Lock()
-        # (the 32-wide SpMMs) None, or the launch that writes x's batch tiles transposed
+        # (the gathering SpMM) None, or the launch that writes x's batch tiles transposed
         # (kernels.make_tiles_t_kernel), which the kernel then reads in x's place
         self.tiles_transposed = None
 

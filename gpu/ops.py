@@ -398,7 +398,7 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
                                CLUSTER_SUMS,
                                WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_ROWS4_BELOW, WIDE_PROBE,
-                               WIDE_TMA, WIDE_GATHER, GATHER_PREFETCH, GATHER_MIN_BLOCKS),
+                               WIDE_GATHER, GATHER_PREFETCH, GATHER_MIN_BLOCKS),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
 
@@ -428,17 +428,6 @@ WIDE_OWN: Optional[bool] = None
 WIDE_OWN_THREADS = 512
 WIDE_OWN_PER_LANE = 4
 WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_THREADS)
-
-# The lane-owned wide SpMMs with the chunk brought in by the copy engine while the rows run
-# (kernels.make_spmm_wide_kernel(tma=True); float32, one chunk per block, compute capability
-# >= 9.0 or the simulator): x goes to the kernel as its batch tiles transposed, written by one
-# more kernel (kernels.make_tiles_t_kernel) that also zeroes the atomic sums in place of the
-# memset, and no thread stages it. Off by default (wide_mode("tma") turns it on for the
-# lane-owned kernels). 1 (True): bulk copies by the copy engine; 2: cp.async by every thread.
-# Measured with bulk copies on an H100 (graph medians, own -> tma, us): forward at 90 %, B = 32
-# 17.76 -> 22.77, 95 % 13.52 -> 20.47, 90 %, B = 128 51.13 -> 56.28; dX within -0.5 / +3 us
-# (gpu/PERFORMANCE.md); cp.async not yet measured.
-WIDE_TMA = False
 
 # The gathering SpMMs (kernels.make_spmm_gather_kernel; float32): x goes in as transposed batch
 # tiles (one more launch, kernels.make_tiles_t_kernel) and each non-zero reads its column's
@@ -474,49 +463,38 @@ def _wide_own(transposed: bool, short: bool) -> bool:
     return not transposed and not short
 
 
-def _tma_supported(device) -> bool:
-    """Whether the `tma` wide kernels can run on `device`: the simulator, or a GPU of compute
-    capability >= 9.0 (bulk copies and transaction-counting mbarriers)."""
-    if _SIM:
-        return True
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(idx) >= (9, 0)
-
-
-WIDE_MODES = ("auto", "warp", "rows4", "own", "tma", "cpasync", "gather")
+WIDE_MODES = ("auto", "warp", "rows4", "own", "gather")
 
 
 @contextlib.contextmanager
 def wide_mode(mode: str, sddmm: bool = False):
     """Within the block, the 32-wide SpMMs take their rows in mode `mode`: "auto" (the defaults:
-    WIDE_OWN, WIDE_ROWS4_BELOW, WIDE_GATHER; the other modes never gather), "warp" (a warp per row), "rows4" (a row per group of 8 lanes) or
-    "own" (a row per group of 8 lanes, lanes owning whole non-zeros), "tma" ("own" with the
-    chunk brought in by the copy engine, WIDE_TMA = 1, where it applies), "cpasync" (the same
-    with cp.async copies by every thread, WIDE_TMA = 2), "gather" (no staging: each non-zero
-    reads its column of X's transposed batch tiles from global memory, WIDE_GATHER, float32);
-    the fused backward keeps
-    its own. With `sddmm` the wide SDDMM follows too (SDDMM_ROWS4): a row per group of 8 lanes
-    in "rows4", a warp per row in "warp" and "own" (it has no lane-owned mode), its rule in
-    "auto"; without, it keeps its rule (`_sddmm_rows4`, which reads WIDE_ROWS4_BELOW too). For
-    A/B runs (experiments/tune_kernels.py --wide-modes), tests and the sanitizer run; it sets
-    this module's knobs, so it is not meant for threads running ops at the same time."""
-    global WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA, WIDE_GATHER
+    WIDE_OWN, WIDE_ROWS4_BELOW), "warp" (a warp per row), "rows4" (a row per group of 8 lanes),
+    "own" (a row per group of 8 lanes, lanes owning whole non-zeros) or "gather" (no staging:
+    each non-zero reads its column of X's transposed batch tiles from global memory,
+    WIDE_GATHER, float32; the other modes never gather); the fused backward keeps its own. With `sddmm` the wide SDDMM follows
+    too (SDDMM_ROWS4): a row per group of 8 lanes in "rows4", a warp per row in "warp" and
+    "own" (it has no lane-owned mode), its rule in "auto"; without, it keeps its rule
+    (`_sddmm_rows4`, which reads WIDE_ROWS4_BELOW too). For A/B runs
+    (experiments/tune_kernels.py --wide-modes), tests and the sanitizer run; it sets this
+    module's knobs, so it is not meant for threads running ops at the same time."""
+    global WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_GATHER
     if mode not in WIDE_MODES:
         raise ValueError(f"mode must be one of {WIDE_MODES}, got {mode!r}")
-    saved = WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA, WIDE_GATHER
+    saved = WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_GATHER
     if mode == "warp":
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 0
     elif mode == "rows4":
         WIDE_OWN, WIDE_ROWS4_BELOW = False, 10 ** 9
-    elif mode in ("own", "tma", "cpasync"):
-        WIDE_OWN, WIDE_TMA = True, {"own": False, "tma": 1, "cpasync": 2}[mode]
+    elif mode == "own":
+        WIDE_OWN = True
     WIDE_GATHER = {"auto": WIDE_GATHER, "gather": True}.get(mode, False)
     if sddmm and mode != "auto":
         SDDMM_ROWS4 = mode == "rows4"
     try:
         yield
     finally:
-        WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_TMA, WIDE_GATHER = saved
+        WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_GATHER = saved
 
 
 def _short_segments(topo, n_rows: int, nch: int) -> bool:
@@ -590,7 +568,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
         kern = kernels.make_spmm_gather_kernel(perm is not None, has_bias, prefetch, GATHER_MIN_BLOCKS)
         plan = _spmm_launch(kern, (-(-n_rows // kernels.GATHER_ROWS), -(-batch // kernels.WIDE)), 256,
                             kernels.GATHER_SMEM, [ptr, idx, third], [n_rows, n_cols, batch], None)
-        plan[0].tiles_transposed = _tiles_t_launch(kind, batch, n_cols, 0)
+        plan[0].tiles_transposed = _tiles_t_launch(kind, batch, n_cols)
         return plan
     if _use_wide(batch, wide, op, topo):
         nch = wide_chunks(n_cols, device, chunks, batch)[0]
@@ -602,26 +580,18 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
             rows4 = not own and _short_segments(topo, n_rows, nch)  # a row per lane group
-            tma = (own and WIDE_TMA and cps == 1 and kind == 0 and _tma_supported(device)
-                   and smem + kernels.TMA_BAR_BYTES <= device_properties(device)[1])
 
             def make(sums):
                 return kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
                                                      own=own, threads=bound, per_lane=WIDE_OWN_PER_LANE,
-                                                     probe=WIDE_PROBE, vkind=vkind,
-                                                     tma=int(WIDE_TMA) if tma and sums != "cluster" else 0)
+                                                     probe=WIDE_PROBE, vkind=vkind)
             kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
                 make, mode, wp, ntiles, n_rows, wthreads, device,
                 _wide_dtypes(kind, vkind, idx.dtype, fused=False))
-            tma = tma and sums != "cluster"
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
-            plan = _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem + (kernels.TMA_BAR_BYTES if tma else 0),
+            return _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem,
                                 [_seg(topo, transposed, nch, cw), idx, third],
                                 [n_rows, n_cols, batch, nch, cw, rpb, cps], sums, [d, d, d])
-            if tma:  # x's transposed tiles (and the zeroed sums) come from one more launch
-                plan[0].tiles_transposed = _tiles_t_launch(kind, batch, n_cols,
-                                                           batch * n_rows if sums == "atomic" else 0)
-            return plan
     tile, smem = choose_tile(batch, n_cols, device, bt)
     if tile is None:
         return None
@@ -635,12 +605,11 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
     return _spmm_launch(kern, (ntiles, gy), threads, smem, [ptr, idx, third], [n_rows, n_cols, batch], None)
 
 
-def _tiles_t_launch(kind: int, batch: int, n_cols: int, nz: int) -> BoundLaunch:
+def _tiles_t_launch(kind: int, batch: int, n_cols: int) -> BoundLaunch:
     """The launch that writes x (batch, n_cols) of dtype kind `kind` as transposed batch tiles
-    and zeroes the first nz elements of the output (kernels.make_tiles_t_kernel), taking
-    [x, tiles, output] per call."""
+    (kernels.make_tiles_t_kernel), taking [x, tiles] per call."""
     return BoundLaunch(kernels.make_tiles_t_kernel(kind), (-(-n_cols // kernels.WIDE), -(-batch // kernels.WIDE)),
-                       256, kernels.TILES_T_SMEM, [None, None, None], [batch, n_cols, nz])
+                       256, kernels.TILES_T_SMEM, [None, None], [batch, n_cols])
 
 
 def _spmm_launch(kern, grid, threads, smem, index, scalars, sums, extra=()):
@@ -781,17 +750,14 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
     if plan is None:
         return False
     bound, sums = plan
+    target = _partial_target(y, sums, bound.grid[0], dev)
     prep = bound.tiles_transposed
-    if prep is None:
-        target = _partial_target(y, sums, bound.grid[0], dev)
-    else:  # (float32) the kernel reads x's batch tiles transposed; atomic sums go to y, zeroed
-        target = y if sums != "parts" else torch.empty((bound.grid[0],) + tuple(y.shape), dtype=torch.float32,
-                                                        device=dev)
+    if prep is not None:  # (the gathering SpMM, float32) the kernel reads x's batch tiles transposed
         xt = torch.empty(prep.grid[1] * x.shape[1] * kernels.WIDE, dtype=torch.float32, device=dev)
         if _SIM:
-            prep([as_kernel_array(x), as_kernel_array(xt), as_kernel_array(target)], dev)
+            prep([as_kernel_array(x), as_kernel_array(xt)], dev)
         else:
-            prep([x, xt, target], dev)
+            prep([x, xt], dev)
         x = xt
     # without a bias, `values` stands in for the unread argument
     if _SIM or (kind % 3 == 2 and _BF16_VIEWS):  # bfloat16 as int16 bits; 1-D numpy views under the simulator

@@ -49,9 +49,9 @@ def _per_lane() -> int:
     return ops.WIDE_OWN_PER_LANE
 
 
-# (perm, bias, uint16 index) of the float32 SpMMs that read x as transposed batch tiles: the
+# (perm, bias, uint16 index) of the gathering SpMMs (float32, x as transposed batch tiles): the
 # forward without and with a bias, the transposed SpMM with an int32 and a uint16 row index
-_FED_ORDERS = ((False, False, False), (False, True, False), (True, False, False), (True, False, True))
+_GATHER_ORDERS = ((False, False, False), (False, True, False), (True, False, False), (True, False, True))
 
 
 def variants():
@@ -100,14 +100,6 @@ def variants():
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "uint16", el, "int32", "float32" if _fp32_sums(sums) else el, el,
                                       el, el, el], 7)))
-        if kind == 0:  # the lane-owned wide SpMMs fed by bulk copies (float32; no clusters)
-            for perm, bias, i16 in _FED_ORDERS:
-                for sums, tma in [(sm, 1) for sm in SUMS] + [("atomic", 2)]:
-                    d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, i16, own=True, threads=_threads(True),
-                                                      per_lane=_per_lane(), tma=tma)
-                    out.append((d.py_func.__name__, d,
-                                _sig([el, "int32", "uint16" if i16 else "int32", el, "int32",
-                                      "float32" if _fp32_sums(sums) else el, el, el, el, el], 7)))
         if kind:  # the transposed SpMMs with a uint16 row index in half precision and mixed (float32
             # values): one variant per family, the one dX takes by default (the code is float32's
             # but for the dtypes, which these compile)
@@ -147,13 +139,13 @@ def variants():
                     d = kernels.make_sddmm_wide_kernel(kind, with_db, rows4, sums)
                     out.append((d.py_func.__name__, d,
                                 _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))
-    for perm, bias, i16 in _FED_ORDERS:
-        d = kernels.make_spmm_gather_kernel(perm, bias)  # the gathering SpMMs (float32)
+    for perm, bias, i16 in _GATHER_ORDERS:
+        d = kernels.make_spmm_gather_kernel(perm, bias, not perm, 4)  # the gathering SpMMs as ops launches them
         out.append((d.py_func.__name__ + ("_idx16" if i16 else ""), d,
                     _sig(["float32", "int32", "uint16" if i16 else "int32", "float32", "int32", "float32", "float32"], 3)))
-    for kind, el in _ELEM.items():  # the tma SpMMs' transposed input tiles
+    for kind, el in _ELEM.items():  # the gathering SpMMs' transposed input tiles
         d = kernels.make_tiles_t_kernel(kind)
-        out.append((d.py_func.__name__, d, _sig([el, "float32", "float32"], 3)))
+        out.append((d.py_func.__name__, d, _sig([el, "float32"], 2)))
     from numba import types
     for decoupled in (False, True):
         d = kernels.make_adam_kernel(decoupled)

@@ -423,18 +423,14 @@ def test_float32_values_with_half_activations(B, density, dtype, gen):
     ((4096, 4096), 0.1, 32, None), ((4096, 4096), 0.05, 128, None), ((4096, 4096), 0.01, 33, None),
     ((777, 4100), 0.05, 40, 3), ((301, 1000), 0.3, 64, 1), ((3072, 768), 0.1, 96, None),
 ])
-@pytest.mark.parametrize("mode", ["tma", "cpasync", "gather"])
-def test_fed_wide_spmms_eager_and_captured(shape, density, B, chunks, mode, gen):
-    # the SpMMs that read x as transposed batch tiles (float32): the lane-owned wide kernels fed
-    # by bulk copies (wide_mode "tma") or cp.async ("cpasync"), and the gathering kernels
-    # ("gather"): forward with and without a bias and dX against float64, outputs poisoned; then
-    # the same calls captured in a CUDA graph and replayed on new inputs
+def test_gather_spmms_eager_and_captured(shape, density, B, chunks, gen):
+    # the gathering SpMMs (wide_mode "gather", float32; they read x as transposed batch tiles):
+    # forward with and without a bias and dX against float64, outputs poisoned; then the same
+    # calls captured in a CUDA graph and replayed on new inputs
     import snack.gpu as G
     from snack.core import COO
     from snack.core.reference import spmm_reference, spmm_t_reference
     from snack.gpu import ops
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("bulk copies need compute capability 9.0")
     o, i = shape
     coo = COO.random(shape, density=density, generator=gen, device="cuda")
     t, v = coo.topology, coo.values
@@ -457,7 +453,7 @@ def test_fed_wide_spmms_eager_and_captured(shape, density, B, chunks, mode, gen)
             err = ((got.double() - want).norm() / want.norm()).item()
             assert err < 1e-5, (name, err)
 
-    with ops.wide_mode(mode):
+    with ops.wide_mode("gather"):
         for out in (y, yb, dx):
             out.fill_(float("nan"))
         calls()
