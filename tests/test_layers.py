@@ -967,6 +967,9 @@ def test_cuda_full_pattern_layer_and_densify_match_float64_eager_and_captured():
     ref(x.cpu().double()).pow(2).sum().backward()
     for got, want in ((y, ref(x.cpu().double())), (layer.values.grad, ref.values.grad), (layer.bias.grad, ref.bias.grad)):
         assert ((got.double().cpu() - want).norm() / want.norm()).item() < 1e-5
+    # the eager graph holds the parameters' AccumulateGrad nodes, made on the default stream: while
+    # it lives, a captured backward reuses them and fails (the legacy stream would wait on the capture)
+    del y, got
     snack.functional.settle_autograd()
     static_x = x.clone()
     s = torch.cuda.Stream()
