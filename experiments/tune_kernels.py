@@ -8,7 +8,8 @@ in gpu/ops.py (`choose_tile`, `WIDE_FROM`, `_wide_plan`).
 
 With `--wide-modes` the 32-wide SpMMs are also timed in each row mode named (`snack.gpu.ops.wide_mode`:
 auto = the defaults, warp, rows4, own; and gather, the kernels that read x as transposed batch
-tiles), e.g. the A/B behind `ops.WIDE_OWN`:
+tiles; every setting names `wide`, so the gathering that is the default at <= 2.5 % density
+from B = 32 is timed only under `gather`), e.g. the A/B behind `ops.WIDE_OWN`:
 `--batch 32,128 --bt 8 --threads 1024 --chunks auto --split auto --wide-modes warp,own`.
 `--own-threads` also sweeps the block size the lane-owned wide SpMMs are compiled and launched
 with (`ops.WIDE_OWN_THREADS`, its launch bound, so 65536 / threads registers per thread), e.g.

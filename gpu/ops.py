@@ -34,7 +34,10 @@ their column chunks are as wide as shared memory allows, or at most
 fewer than `WIDE_ROWS4_BELOW` non-zeros per chunk on average, each group of 8 lanes takes a row
 of its own (`rows4`) instead of a warp per row (the SDDMM also when rows are many,
 `_sddmm_rows4`); elsewhere the wide forward runs with lanes that own whole non-zeros (`own`,
-512-thread blocks, `WIDE_OWN`). The wide SDDMM gives each 32-column batch tile its own blocks; above B = 32
+512-thread blocks, `WIDE_OWN`). In float32 from B = 32 on, a W at most `GATHER_MAX_DENSITY`
+(2.5 %) dense takes neither: the SpMMs gather each non-zero's column from X's batch tiles,
+written transposed by one more launch (`WIDE_GATHER`, `kernels.make_spmm_gather_kernel`; no
+staging, no atomics, deterministic). The wide SDDMM gives each 32-column batch tile its own blocks; above B = 32
 the tiles' parts add up with fp32 atomics (its result may then differ in the last bits from
 run to run; every other op, and the SDDMM up to B = 32, is deterministic apart from the
 SpMMs' atomics across column chunks).
@@ -469,15 +472,16 @@ WIDE_MODES = ("auto", "warp", "rows4", "own", "gather")
 @contextlib.contextmanager
 def wide_mode(mode: str, sddmm: bool = False):
     """Within the block, the 32-wide SpMMs take their rows in mode `mode`: "auto" (the defaults:
-    WIDE_OWN, WIDE_ROWS4_BELOW), "warp" (a warp per row), "rows4" (a row per group of 8 lanes),
-    "own" (a row per group of 8 lanes, lanes owning whole non-zeros) or "gather" (no staging:
-    each non-zero reads its column of X's transposed batch tiles from global memory,
-    WIDE_GATHER, float32; the other modes never gather); the fused backward keeps its own. With `sddmm` the wide SDDMM follows
-    too (SDDMM_ROWS4): a row per group of 8 lanes in "rows4", a warp per row in "warp" and
-    "own" (it has no lane-owned mode), its rule in "auto"; without, it keeps its rule
-    (`_sddmm_rows4`, which reads WIDE_ROWS4_BELOW too). For A/B runs
-    (experiments/tune_kernels.py --wide-modes), tests and the sanitizer run; it sets this
-    module's knobs, so it is not meant for threads running ops at the same time."""
+    WIDE_OWN, WIDE_ROWS4_BELOW, and WIDE_GATHER's rule), "warp" (a warp per row), "rows4" (a row
+    per group of 8 lanes), "own" (a row per group of 8 lanes, lanes owning whole non-zeros) or
+    "gather" (no staging: each non-zero reads its column of X's transposed batch tiles from
+    global memory, float32, wherever the 32-wide kernels would run); "warp", "rows4" and "own"
+    never gather. The fused backward keeps its own. With `sddmm` the wide SDDMM follows too
+    (SDDMM_ROWS4): a row per group of 8 lanes in "rows4", a warp per row in "warp" and "own" (it
+    has no lane-owned mode), its rule in "auto"; without, it keeps its rule (`_sddmm_rows4`,
+    which reads WIDE_ROWS4_BELOW too). For A/B runs (experiments/tune_kernels.py --wide-modes),
+    tests and the sanitizer run; it sets this module's knobs, so it is not meant for threads
+    running ops at the same time."""
     global WIDE_OWN, WIDE_ROWS4_BELOW, SDDMM_ROWS4, WIDE_GATHER
     if mode not in WIDE_MODES:
         raise ValueError(f"mode must be one of {WIDE_MODES}, got {mode!r}")
