@@ -1453,11 +1453,18 @@ ADAM_THREADS = 256
 
 
 @_inlined
-def _gather_value(val, perm, k, has_perm):
-    """The value of the gathering SpMM's entry k (through perm in the transposed order)."""
-    if has_perm:
-        return val[uint32(perm[uint32(k)])]
-    return val[uint32(k)]
+def _gather_entry(idx, val, perm, k, s1, has_perm):
+    """(column, value) of the gathering SpMM's entry k (the value through perm in the transposed
+    order), or (0, 0) past its row's end s1."""
+    c = int32(0)
+    v = float32(0.0)
+    if k < s1:
+        c = int32(idx[uint32(k)])
+        if has_perm:
+            v = val[uint32(perm[uint32(k)])]
+        else:
+            v = val[uint32(k)]
+    return c, v
 
 
 GATHER_ROWS = 32  # rows per block of the gathering SpMM (a group of 8 lanes per row)
@@ -1517,29 +1524,18 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bo
         a2 = float32(0.0)
         a3 = float32(0.0)
         i0 = int32(0)
-        k = s0 + kq
         cn = int32(0)
         vn = float32(0.0)
-        if PREFETCH and k < s1:
-            cn = int32(idx[uint32(k)])
-            vn = _gather_value(val, perm, k, HAS_PERM)
+        if PREFETCH:
+            cn, vn = _gather_entry(idx, val, perm, s0 + kq, s1, HAS_PERM)
         while i0 < n:  # warp-uniform: the longest of the warp's four rows
             k = s0 + i0 + kq
             if PREFETCH:
                 c = cn
                 v = vn
-                kn = k + 8
-                cn = int32(0)
-                vn = float32(0.0)
-                if kn < s1:
-                    cn = int32(idx[uint32(kn)])
-                    vn = _gather_value(val, perm, kn, HAS_PERM)
+                cn, vn = _gather_entry(idx, val, perm, k + 8, s1, HAS_PERM)
             else:
-                c = int32(0)
-                v = float32(0.0)
-                if k < s1:
-                    c = int32(idx[uint32(k)])
-                    v = _gather_value(val, perm, k, HAS_PERM)
+                c, v = _gather_entry(idx, val, perm, k, s1, HAS_PERM)
             # the 8 entries' lines are all requested before any is used (entries past a row's
             # end have value 0 and read column 0's line, which the L1 keeps)
             for i in range(8):
