@@ -556,6 +556,13 @@ def _gathers(batch: int, wide: Optional[bool], op: str, kind: int, topo: Topolog
     return wide is None and batch >= GATHER_FROM_B and _density(topo) <= GATHER_MAX_DENSITY
 
 
+def _gather_kernel(transposed: bool, has_bias: bool):
+    """The gathering SpMM as the plans launch it (see GATHER_PREFETCH, GATHER_MIN_BLOCKS); the
+    transposed one reads its values through the permutation."""
+    prefetch = not transposed if GATHER_PREFETCH is None else GATHER_PREFETCH
+    return kernels.make_spmm_gather_kernel(transposed, has_bias, prefetch, GATHER_MIN_BLOCKS)
+
+
 def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias, mode):
     kind, vkind = _kinds(kind)
     if transposed:
@@ -568,10 +575,9 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
     idx16 = idx.dtype == torch.uint16
     op = "spmm_t" if transposed else "spmm"
     if _gathers(batch, wide, op, kind, topo):
-        prefetch = not transposed if GATHER_PREFETCH is None else GATHER_PREFETCH
-        kern = kernels.make_spmm_gather_kernel(perm is not None, has_bias, prefetch, GATHER_MIN_BLOCKS)
-        plan = _spmm_launch(kern, (-(-n_rows // kernels.GATHER_ROWS), -(-batch // kernels.WIDE)), 256,
-                            kernels.GATHER_SMEM, [ptr, idx, third], [n_rows, n_cols, batch], None)
+        grid = (-(-n_rows // kernels.GATHER_ROWS), -(-batch // kernels.WIDE))
+        plan = _spmm_launch(_gather_kernel(transposed, has_bias), grid, 256, kernels.GATHER_SMEM, [ptr, idx, third],
+                            [n_rows, n_cols, batch], None)
         plan[0].tiles_transposed = _tiles_t_launch(kind, batch, n_cols)
         return plan
     if _use_wide(batch, wide, op, topo):

@@ -139,8 +139,9 @@ def variants():
                     d = kernels.make_sddmm_wide_kernel(kind, with_db, rows4, sums)
                     out.append((d.py_func.__name__, d,
                                 _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))
+    from . import ops
     for perm, bias, i16 in _GATHER_ORDERS:
-        d = kernels.make_spmm_gather_kernel(perm, bias, not perm, 4)  # the gathering SpMMs as ops launches them
+        d = ops._gather_kernel(perm, bias)  # the gathering SpMMs as ops launches them
         out.append((d.py_func.__name__ + ("_idx16" if i16 else ""), d,
                     _sig(["float32", "int32", "uint16" if i16 else "int32", "float32", "int32", "float32", "float32"], 3)))
     for kind, el in _ELEM.items():  # the gathering SpMMs' transposed input tiles
