@@ -443,18 +443,6 @@ def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch,
     _check_wide(wide_mode, coo, B, seed=8, wide=True, chunks=chunks, threads=64)
 
 
-def _segments_of_every_length():
-    """(COO of 17 rows x 90 columns whose rows hold 90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 32,
-    33, 31, 40 and 5 non-zeros, the generator that made it, for more inputs)."""
-    g = torch.Generator().manual_seed(3)
-    lengths = [90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 32, 33, 31, 40, 5]
-    mask = torch.zeros(len(lengths), 90, dtype=torch.bool)
-    for r, n in enumerate(lengths):
-        mask[r, torch.randperm(90, generator=g)[:n]] = True
-    idx = mask.nonzero().T.to(torch.int32)
-    return COO(idx, torch.randn(idx.shape[1], generator=g), tuple(mask.shape)), g
-
-
 @pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("dtype,B,chunks", [(torch.float32, 35, None), (torch.float16, 40, 2)])
 def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, chunks, own):
@@ -467,7 +455,13 @@ def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, 
     monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9)
     monkeypatch.setattr(ops, "SDDMM_ROWS4", True)
     monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
-    coo, g = _segments_of_every_length()
+    g = torch.Generator().manual_seed(3)
+    lengths = [90, 0, 1, 7, 8, 9, 16, 17, 0, 0, 3, 90, 32, 33, 31, 40, 5]
+    mask = torch.zeros(len(lengths), 90, dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        mask[r, torch.randperm(90, generator=g)[:n]] = True
+    idx = mask.nonzero().T.to(torch.int32)
+    coo = COO(idx, torch.randn(idx.shape[1], generator=g), tuple(mask.shape))
     _check(coo, B, dtype, seed=4, wide=True, chunks=chunks, threads=32)
 
 
@@ -952,35 +946,6 @@ def test_float32_values_with_half_activations_are_read_unrounded(dtype, B, kw):
         G.spmm(x.float(), t, v.to(dtype))
 
 
-def _fed_plans(topo) -> list:
-    """The cached SpMM plans of topo whose kernel reads x as transposed batch tiles (gather)."""
-    return [plan[0] for key, plan in topo.cache.items()
-            if isinstance(key, tuple) and key[0] == "spmm_plan" and plan is not None and plan[0].tiles_transposed]
-
-
-def _check_fed(mode, shape, B, density, **kw):
-    """The SpMMs that read x as transposed batch tiles, in wide_mode `mode`, on a random W: the
-    forward with and without a bias and dX against float64, outputs poisoned; and that every
-    plan took that path."""
-    from snack.gpu import ops
-    coo = COO.random(shape, density=density, seed=B)
-    t = coo.topology
-    g = torch.Generator().manual_seed(B)
-    x, dy, bias = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g), torch.randn(shape[0], generator=g)
-    y, yb = torch.full((B, shape[0]), float("nan")), torch.full((B, shape[0]), float("nan"))
-    dx = torch.full((B, shape[1]), float("nan"))
-    with ops.wide_mode(mode):
-        G.spmm(x, t, coo.values, out=y, wide=True, **kw)
-        G.spmm(x, t, coo.values, out=yb, bias=bias, wide=True, **kw)
-        G.spmm_t(dy, t, coo.values, out=dx, wide=True, **kw)
-    assert len(_fed_plans(t)) == 3
-    xd, vd = x.double(), coo.values.double()
-    ref = spmm_reference(xd, t.indices, vd, shape[0])
-    assert _rel(y, ref) < TOL[torch.float32]
-    assert _rel(yb, ref + bias.double()) < TOL[torch.float32]
-    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, shape[1])) < TOL[torch.float32]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_tiles_transposed_kernel(dtype):
     # the gathering SpMMs' input: xt[t, c, j] = x[32 t + j, c] in float32, zeros past the batch,
@@ -1000,5 +965,24 @@ def test_tiles_transposed_kernel(dtype):
 def test_gather_spmms(shape, B, density):
     # the gathering SpMMs (wide_mode "gather"): no staging, each entry reads its column's line of
     # the transposed batch tiles; partial tiles, rows past the last block's end, empty rows, and
-    # dX on the transposed order with its uint16 row index
-    _check_fed("gather", shape, B, density)
+    # dX on the transposed order with its uint16 row index; forward with and without a bias and
+    # dX against float64, outputs poisoned, and every plan taking that path
+    from snack.gpu import ops
+    coo = COO.random(shape, density=density, seed=B)
+    t = coo.topology
+    g = torch.Generator().manual_seed(B)
+    x, dy, bias = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g), torch.randn(shape[0], generator=g)
+    y, yb = torch.full((B, shape[0]), float("nan")), torch.full((B, shape[0]), float("nan"))
+    dx = torch.full((B, shape[1]), float("nan"))
+    with ops.wide_mode("gather"):
+        G.spmm(x, t, coo.values, out=y, wide=True)
+        G.spmm(x, t, coo.values, out=yb, bias=bias, wide=True)
+        G.spmm_t(dy, t, coo.values, out=dx, wide=True)
+    gathering = [plan[0] for key, plan in t.cache.items()
+                 if isinstance(key, tuple) and key[0] == "spmm_plan" and plan is not None and plan[0].tiles_transposed]
+    assert len(gathering) == 3
+    xd, vd = x.double(), coo.values.double()
+    ref = spmm_reference(xd, t.indices, vd, shape[0])
+    assert _rel(y, ref) < TOL[torch.float32]
+    assert _rel(yb, ref + bias.double()) < TOL[torch.float32]
+    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, shape[1])) < TOL[torch.float32]
