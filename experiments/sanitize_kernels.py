@@ -53,7 +53,7 @@ def _run_ops(G, x, dy, t, v, bias, B, tiled, opts, dt, refs):
 
 
 def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=False, mixed=False, dtypes=None,
-         shapes=None, fed=False):
+         shapes=None, gather=False):
     """sums: the ways of adding the wide kernels' partial results to run ("atomic" and "parts":
     ops.PARTIAL_SUMS with ops.CLUSTER_SUMS off; "cluster": the SpMMs' chunk groups through
     thread-block clusters, ops.CLUSTER_SUMS = True);
@@ -62,7 +62,7 @@ def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=Fa
     only shapes with full 32-row batch tiles and runs of 32 columns (the wide kernels' staging a
     128-byte line per load, and its leftovers), float32 and float16, a shorter run; mixed:
     float32 values and bias with float16 / bfloat16 x and dy (the mixed-precision variants of the
-    SpMMs), every variant; fed: only the SpMMs that read x as transposed batch tiles (the
+    SpMMs), every variant; gather: only the SpMMs that read x as transposed batch tiles (the
     gathering ones: wide_mode "gather", float32), a shorter run. Prints one line per shape as it
     goes (a sanitizer run cut short still shows how far it got). dtypes: only these activation dtypes (names, e.g. ("float32",)) of
     the run's; shapes: only the run's shapes at these positions (0-based), for sanitizer runs
@@ -81,7 +81,7 @@ def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=Fa
         ops.PARTIAL_SUMS = "atomic" if mode == "cluster" else mode
         ops.CLUSTER_SUMS = mode == "cluster"
         dts = ((torch.float16, torch.bfloat16) if mixed else (torch.float32, torch.float16) if staging
-               else (torch.float32,) if fed else (torch.float32, torch.float16, torch.bfloat16))
+               else (torch.float32,) if gather else (torch.float32, torch.float16, torch.bfloat16))
         if dtypes is not None:
             dts = tuple(dt for dt in dts if str(dt).removeprefix("torch.") in dtypes)
         for dt in dts:
@@ -105,8 +105,8 @@ def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=Fa
                     {"wide": True, "chunks": 3, "split": 1, "mode": "warp"},
                     {"wide": True, "chunks": 3, "split": 1, "mode": "rows4"},
                     {"wide": True, "chunks": 3, "mode": "warp"}, {"wide": True, "chunks": 3, "mode": "rows4"}) + owned
-            fed_variants = ({"wide": True, "mode": "gather"},)
-            variants = (({"wide": False},) if tiled else owned if own else fed_variants if fed else wide if staging
+            gathering = ({"wide": True, "mode": "gather"},)
+            variants = (({"wide": False},) if tiled else owned if own else gathering if gather else wide if staging
                         else ({},) + wide)
             for opts in variants:
                 opts = dict(opts)
@@ -160,7 +160,7 @@ def cli(argv=None):
     ap.add_argument("--staging", action="store_true",
                     help="only shapes with full 32-row batch tiles and runs of 32 columns (the wide "
                          "kernels' line-at-a-time staging), float32 and float16: a shorter run")
-    ap.add_argument("--fed", action="store_true",
+    ap.add_argument("--gather", action="store_true",
                     help="only the SpMMs that read x as transposed batch tiles (wide mode gather; "
                          "float32): a shorter run")
     ap.add_argument("--mixed", action="store_true",
@@ -172,8 +172,8 @@ def cli(argv=None):
                     help="only the run's shapes at these 0-based positions (default: all), to split a "
                          "sanitizer run over several calls")
     a = ap.parse_args(argv)
-    if a.tiled + a.own + a.staging + a.mixed + a.fed > 1:
-        ap.error("give at most one of --tiled, --own, --staging, --mixed, --fed")
+    if a.tiled + a.own + a.staging + a.mixed + a.gather > 1:
+        ap.error("give at most one of --tiled, --own, --staging, --mixed, --gather")
     n_shapes = len(STAGING_SHAPES if a.staging else SHAPES)
     if a.shapes is not None and not all(0 <= k < n_shapes for k in a.shapes):
         ap.error(f"--shapes: positions must be in [0, {n_shapes}) for this run, got {a.shapes}")
@@ -181,7 +181,7 @@ def cli(argv=None):
     if a.dtypes is not None and run_dtypes is not None and not set(a.dtypes) & run_dtypes:
         ap.error(f"--dtypes: this run has {sorted(run_dtypes)} activations only, got {a.dtypes}")
     require_gpu("sanitize_kernels.py", triton=False)
-    main(tuple(a.sums), a.tiled, a.own, a.staging, a.mixed, a.dtypes, a.shapes, a.fed)
+    main(tuple(a.sums), a.tiled, a.own, a.staging, a.mixed, a.dtypes, a.shapes, a.gather)
 
 
 if __name__ == "__main__":

@@ -314,7 +314,7 @@ def test_gpu_scripts_check_their_options_first(capsys):
         assert what in _usage_error(capsys, bench_layer.parse_args, ["--device", "cpu", *args])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--tiled", "--own"])
     assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--mixed", "--staging"])
-    assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--fed", "--own"])
+    assert "at most one of" in _usage_error(capsys, sanitize_kernels.cli, ["--gather", "--own"])
     assert "positions must be in [0, 6)" in _usage_error(capsys, sanitize_kernels.cli, ["--shapes", "0", "6"])
     assert "positions must be in [0, 3)" in _usage_error(capsys, sanitize_kernels.cli, ["--staging", "--shapes", "3"])
     msg = _usage_error(capsys, sanitize_kernels.cli, ["--mixed", "--dtypes", "float32"])
