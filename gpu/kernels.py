@@ -138,6 +138,14 @@ if _SIM:
     def _ldg4(arr, i):
         i = int(i)
         return arr[i], arr[i + 1], arr[i + 2], arr[i + 3]
+
+    def _ldg4_f16(arr, i):
+        i = int(i)
+        return float32(arr[i]), float32(arr[i + 1]), float32(arr[i + 2]), float32(arr[i + 3])
+
+    def _ldg4_bf16(arr, i):
+        i = int(i)
+        return _ld_bf16(arr, i), _ld_bf16(arr, i + 1), _ld_bf16(arr, i + 2), _ld_bf16(arr, i + 3)
 else:
     @_intrinsic
     def _ldg4(typingctx, arr, i):
@@ -153,6 +161,34 @@ else:
                              side_effect=False)
             return context.make_tuple(builder, ret, [builder.extract_value(st, k) for k in range(4)])
         return ret(arr, i), codegen
+
+    def _ldg4_half(asm):
+        """An intrinsic (arr, i) -> the four 16-bit values arr[i .. i + 3] of a global array
+        widened to float32, i a multiple of 4 (8-byte aligned): one 8-byte read-only load, then
+        `asm` (PTX from the two loaded words snk_u0, snk_u1 into the outputs $0-$3)."""
+        @_intrinsic
+        def ldg(typingctx, arr, i):
+            ret = _types.UniTuple(_types.float32, 4)
+
+            def codegen(context, builder, signature, args):
+                a = _elem_addr(context, builder, signature.args[0], args[0], args[1])
+                f = _ir.FloatType()
+                st = builder.asm(_ir.FunctionType(_ir.LiteralStructType([f] * 4), [_ir.IntType(64)]),
+                                 "{\n\t.reg .b32 snk_u0, snk_u1, snk_w;\n\t.reg .b16 snk_h0, snk_h1;\n\t"
+                                 "ld.global.nc.v2.b32 {snk_u0, snk_u1}, [$4];\n\t" + asm + "}",
+                                 "=f,=f,=f,=f,l", [a], side_effect=False)
+                return context.make_tuple(builder, ret, [builder.extract_value(st, k) for k in range(4)])
+            return ret(arr, i), codegen
+        return ldg
+
+    # float16: each word's halves split (mov.b32 {lo, hi}) and converted; bfloat16: a value's
+    # bits are the high half of its float32 (the low half shifted up, the high half masked)
+    _ldg4_f16 = _ldg4_half("".join(
+        f"mov.b32 {{snk_h0, snk_h1}}, snk_u{w};\n\tcvt.f32.f16 ${2 * w}, snk_h0;\n\t"
+        f"cvt.f32.f16 ${2 * w + 1}, snk_h1;\n\t" for w in range(2)))
+    _ldg4_bf16 = _ldg4_half("".join(
+        f"shl.b32 snk_w, snk_u{w}, 16;\n\tmov.b32 ${2 * w}, snk_w;\n\t"
+        f"and.b32 snk_w, snk_u{w}, 0xFFFF0000;\n\tmov.b32 ${2 * w + 1}, snk_w;\n\t" for w in range(2)))
 
 
 @_ir_inlined
@@ -193,6 +229,7 @@ def _cv_bf16(f):
 
 
 _LOADERS = {0: _ld_f32, 1: _ld_f16, 2: _ld_bf16}
+_LDG4 = {0: _ldg4, 1: _ldg4_f16, 2: _ldg4_bf16}  # the gathering SpMM's line reads, per kind of its tiles
 _CONVERTERS = {0: _cv_f32, 1: _cv_f16, 2: _cv_bf16}
 
 
@@ -1452,19 +1489,25 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
 ADAM_THREADS = 256
 
 
-@_inlined
-def _gather_entry(idx, val, perm, k, s1, has_perm):
-    """(column, value) of the gathering SpMM's entry k (the value through perm in the transposed
+@functools.lru_cache(maxsize=None)
+def _make_gather_entry(vkind: int):
+    """The gathering SpMM's entry load for values of kind `vkind`: (idx, val, perm, k, s1,
+    has_perm) -> (column, value as float32) of entry k (the value through perm in the transposed
     order), or (0, 0) past its row's end s1."""
-    c = int32(0)
-    v = float32(0.0)
-    if k < s1:
-        c = int32(idx[uint32(k)])
-        if has_perm:
-            v = val[uint32(perm[uint32(k)])]
-        else:
-            v = val[uint32(k)]
-    return c, v
+    ld = _LOADERS[vkind]
+
+    @_inlined
+    def gather_entry(idx, val, perm, k, s1, has_perm):
+        c = int32(0)
+        v = float32(0.0)
+        if k < s1:
+            c = int32(idx[uint32(k)])
+            if has_perm:
+                v = ld(val, uint32(perm[uint32(k)]))
+            else:
+                v = ld(val, uint32(k))
+        return c, v
+    return gather_entry
 
 
 GATHER_ROWS = 32  # rows per block of the gathering SpMM (a group of 8 lanes per row)
@@ -1473,17 +1516,21 @@ TILES_T_SMEM = 32 * 33 * 4  # the square of the kernel that writes its input (ma
 
 
 @functools.lru_cache(maxsize=None)
-def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bool = True, min_blocks: int = 0):
-    """Y = X W^T (+ bias), float32, reading X as transposed batch tiles from global memory
-    instead of staging it: for very sparse W, where a staged chunk would serve few non-zeros.
+def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bool = True, min_blocks: int = 0,
+                            kind: int = 0, vkind: Optional[int] = None):
+    """Y = X W^T (+ bias), reading X as transposed batch tiles from global memory instead of
+    staging it: for very sparse W, where a staged chunk would serve few non-zeros. `kind` is
+    X's and Y's kind (float32, float16, bfloat16), `vkind` the values' and the bias's (None: X's);
+    sums in float32, Y rounded once.
 
     Signature: (x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch), as `make_spmm_kernel`
-    but for x: X's batch tiles transposed, float32 (ceil(B / 32), n_cols, 32) with zeros past
+    but for x: X's batch tiles transposed, in X's kind (ceil(B / 32), n_cols, 32) with zeros past
     the batch (`make_tiles_t_kernel`), so that the 32 batch values of column c in tile t are one
-    128-byte line. A block takes GATHER_ROWS consecutive rows of one batch tile, a group of 8
-    lanes a row: the group loads 8 of the row's entries at a time (one per lane), then for each
-    of them every lane reads its 4 batch values of that column's line (one 16-byte read-only
-    load; the group reads the whole line) and keeps 4 sums. No shared-memory staging, no column
+    line (128 bytes in float32, 64 in half precision). A block takes GATHER_ROWS consecutive rows
+    of one batch tile, a group of 8 lanes a row: the group loads 8 of the row's entries at a time
+    (one per lane), then for each of them every lane reads its 4 batch values of that column's
+    line (one 16-byte, or in half precision 8-byte, read-only load; the group reads the whole
+    line) and keeps 4 sums. No shared-memory staging, no column
     chunks (any number of columns), no zeroed output or atomics: each row's sums go to a shared
     output tile, written to y once, consecutive threads on consecutive rows.
     Launch: grid (ceil(n_rows / GATHER_ROWS), ceil(B / 32)), 256 threads, GATHER_SMEM bytes of
@@ -1496,6 +1543,11 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bo
     HAS_PERM = has_perm
     HAS_BIAS = has_bias
     PREFETCH = prefetch
+    vkind = _vkind(kind, vkind)
+    entry = _make_gather_entry(kind if vkind is None else vkind)
+    bld = _LOADERS[kind if vkind is None else vkind]
+    ldg4 = _LDG4[kind]
+    cv = _CONVERTERS[kind]
 
     def gather(x, ptr, idx, val, perm, y, bias, n_rows, n_cols, batch):
         ys = cuda.shared.array(0, dtype=float32, alignment=16)  # ys[row * 33 + batch column]
@@ -1527,21 +1579,21 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bo
         cn = int32(0)
         vn = float32(0.0)
         if PREFETCH:
-            cn, vn = _gather_entry(idx, val, perm, s0 + kq, s1, HAS_PERM)
+            cn, vn = entry(idx, val, perm, s0 + kq, s1, HAS_PERM)
         while i0 < n:  # warp-uniform: the longest of the warp's four rows
             k = s0 + i0 + kq
             if PREFETCH:
                 c = cn
                 v = vn
-                cn, vn = _gather_entry(idx, val, perm, k + 8, s1, HAS_PERM)
+                cn, vn = entry(idx, val, perm, k + 8, s1, HAS_PERM)
             else:
-                c, v = _gather_entry(idx, val, perm, k, s1, HAS_PERM)
+                c, v = entry(idx, val, perm, k, s1, HAS_PERM)
             # the 8 entries' lines are all requested before any is used (entries past a row's
             # end have value 0 and read column 0's line, which the L1 keeps)
             for i in range(8):
                 ci = cuda.shfl_sync(FULL_MASK, c, gb + i)
                 vs[i] = cuda.shfl_sync(FULL_MASK, v, gb + i)
-                xv = _ldg4(x, tb + (uint64(uint32(ci)) << 5))
+                xv = ldg4(x, tb + (uint64(uint32(ci)) << 5))
                 xb[4 * i] = xv[0]
                 xb[4 * i + 1] = xv[1]
                 xb[4 * i + 2] = xv[2]
@@ -1553,7 +1605,7 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bo
                 a3 += vs[i] * xb[4 * i + 3]
             i0 += 8
         if HAS_BIAS and r < n_rows:
-            bv = bias[uint32(r)]
+            bv = bld(bias, uint32(r))
             a0 += bv
             a1 += bv
             a2 += bv
@@ -1570,25 +1622,27 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bo
             j = (tid >> 5) + 8 * jj
             b = t * 32 + j
             if b < batch and rr < n_rows:
-                y[uint32(b * int32(n_rows) + rr)] = ys[uint32(rl * 33 + j)]
+                y[uint32(b * int32(n_rows) + rr)] = cv(ys[uint32(rl * 33 + j)])
 
-    gather.__name__ = (f"snack_spmm_gather_float32{'_perm' if has_perm else ''}{'_bias' if has_bias else ''}"
-                       f"{'' if prefetch else '_noprefetch'}{f'_mb{min_blocks}' if min_blocks else ''}")
+    gather.__name__ = (f"snack_spmm_gather_{KINDS[kind]}{_vkind_suffix(vkind)}{'_perm' if has_perm else ''}"
+                       f"{'_bias' if has_bias else ''}{'' if prefetch else '_noprefetch'}"
+                       f"{f'_mb{min_blocks}' if min_blocks else ''}")
     return _jit(gather, launch_bounds=(256, min_blocks) if min_blocks else (256,))
 
 
 @functools.lru_cache(maxsize=None)
-def make_tiles_t_kernel(kind: int):
+def make_tiles_t_kernel(kind: int, native: bool = False):
     """The input of the gathering SpMM, X as transposed batch tiles: xt[t, c, j] = X[32 t + j, c]
-    as float32 (0 past the batch).
+    (0 past the batch), as float32, or with `native` in X's own kind.
 
     Signature: (x, xt, batch, n_cols); x (batch, n_cols) of kind `kind` (bfloat16 as int16
-    bits), xt float32 (ceil(batch / 32) * n_cols * 32,).
+    bits), xt (ceil(batch / 32) * n_cols * 32,) float32 or, with `native`, of x's kind.
     Launch: grid (ceil(n_cols / 32), ceil(batch / 32)), 256 threads, TILES_T_SMEM bytes of
     dynamic shared memory: a block moves a 32 x 32 square through shared memory (rows read and
     written 128 bytes at a time; the odd row stride keeps the transposed reads conflict-free).
     """
     ld = _LOADERS[kind]
+    cv = _CONVERTERS[kind if native else 0]  # (exact: the values came from that kind)
 
     def tiles_t(x, xt, batch, n_cols):
         sq = cuda.shared.array(0, dtype=float32)  # 32 x 33 (dynamic: TILES_T_SMEM bytes)
@@ -1609,9 +1663,9 @@ def make_tiles_t_kernel(kind: int):
         for i in range(4):
             cc = row + 8 * i
             if c0 + cc < n_cols:
-                xt[(int64(t) * int64(n_cols) + int64(c0 + cc)) * 32 + int64(lane)] = sq[lane * 33 + cc]
+                xt[(int64(t) * int64(n_cols) + int64(c0 + cc)) * 32 + int64(lane)] = cv(sq[lane * 33 + cc])
 
-    tiles_t.__name__ = f"snack_tiles_t_{KINDS[kind]}"
+    tiles_t.__name__ = f"snack_tiles_t_{KINDS[kind]}{'_native' if native and kind else ''}"
     return _jit(tiles_t)
 
 @functools.lru_cache(maxsize=None)

@@ -451,6 +451,7 @@ GATHER_MAX_DENSITY = 0.025
 GATHER_FROM_B = 32
 GATHER_PREFETCH: Optional[bool] = None  # None: the forward prefetches, dX does not
 GATHER_MIN_BLOCKS = 4
+GATHER_KINDS = (0,)  # the plan kinds (`_plan_kind`) that gather by default
 
 
 # Timing decomposition only (results are wrong when set): the 32-wide SpMMs are built with
@@ -549,18 +550,18 @@ def _sddmm_column_staged(tile: int, topo: Topology) -> bool:
 
 def _gathers(batch: int, wide: Optional[bool], op: str, kind: int, topo: Topology) -> bool:
     """Whether an SpMM of plan kind `kind` gathers (see WIDE_GATHER)."""
-    if kind != 0:
-        return False
     if WIDE_GATHER is not None:
         return bool(WIDE_GATHER) and _use_wide(batch, wide, op, topo)
-    return wide is None and batch >= GATHER_FROM_B and _density(topo) <= GATHER_MAX_DENSITY
+    return (wide is None and kind in GATHER_KINDS and batch >= GATHER_FROM_B
+            and _density(topo) <= GATHER_MAX_DENSITY)
 
 
-def _gather_kernel(transposed: bool, has_bias: bool):
-    """The gathering SpMM as the plans launch it (see GATHER_PREFETCH, GATHER_MIN_BLOCKS); the
-    transposed one reads its values through the permutation."""
+def _gather_kernel(transposed: bool, has_bias: bool, kind: int = 0, vkind: Optional[int] = None):
+    """The gathering SpMM for x of kind `kind` and values of kind `vkind` (None: x's) as the plans
+    launch it (see GATHER_PREFETCH, GATHER_MIN_BLOCKS); the transposed one reads its values
+    through the permutation."""
     prefetch = not transposed if GATHER_PREFETCH is None else GATHER_PREFETCH
-    return kernels.make_spmm_gather_kernel(transposed, has_bias, prefetch, GATHER_MIN_BLOCKS)
+    return kernels.make_spmm_gather_kernel(transposed, has_bias, prefetch, GATHER_MIN_BLOCKS, kind, vkind)
 
 
 def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks, split, has_bias, mode):
@@ -576,7 +577,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
     op = "spmm_t" if transposed else "spmm"
     if _gathers(batch, wide, op, kind, topo):
         grid = (-(-n_rows // kernels.GATHER_ROWS), -(-batch // kernels.WIDE))
-        plan = _spmm_launch(_gather_kernel(transposed, has_bias), grid, 256, kernels.GATHER_SMEM, [ptr, idx, third],
+        plan = _spmm_launch(_gather_kernel(transposed, has_bias, kind, vkind), grid, 256, kernels.GATHER_SMEM, [ptr, idx, third],
                             [n_rows, n_cols, batch], None)
         plan[0].tiles_transposed = _tiles_t_launch(kind, batch, n_cols)
         return plan
@@ -616,9 +617,9 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
 
 
 def _tiles_t_launch(kind: int, batch: int, n_cols: int) -> BoundLaunch:
-    """The launch that writes x (batch, n_cols) of dtype kind `kind` as transposed batch tiles
-    (kernels.make_tiles_t_kernel), taking [x, tiles] per call."""
-    return BoundLaunch(kernels.make_tiles_t_kernel(kind), (-(-n_cols // kernels.WIDE), -(-batch // kernels.WIDE)),
+    """The launch that writes x (batch, n_cols) of dtype kind `kind` as transposed batch tiles of
+    its own dtype (kernels.make_tiles_t_kernel), taking [x, tiles] per call."""
+    return BoundLaunch(kernels.make_tiles_t_kernel(kind, kind != 0), (-(-n_cols // kernels.WIDE), -(-batch // kernels.WIDE)),
                        256, kernels.TILES_T_SMEM, [None, None], [batch, n_cols])
 
 
@@ -762,9 +763,9 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
     bound, sums = plan
     target = _partial_target(y, sums, bound.grid[0], dev)
     prep = bound.tiles_transposed
-    if prep is not None:  # (the gathering SpMM, float32) the kernel reads x's batch tiles transposed
-        xt = torch.empty(prep.grid[1] * x.shape[1] * kernels.WIDE, dtype=torch.float32, device=dev)
-        if _SIM:
+    if prep is not None:  # (the gathering SpMM) the kernel reads x's batch tiles transposed
+        xt = torch.empty(prep.grid[1] * x.shape[1] * kernels.WIDE, dtype=x.dtype, device=dev)
+        if _SIM or (kind % 3 == 2 and _BF16_VIEWS):
             prep([as_kernel_array(x), as_kernel_array(xt)], dev)
         else:
             prep([x, xt], dev)

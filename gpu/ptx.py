@@ -49,9 +49,11 @@ def _per_lane() -> int:
     return ops.WIDE_OWN_PER_LANE
 
 
-# (perm, bias, uint16 index) of the gathering SpMMs (float32, x as transposed batch tiles): the
-# forward without and with a bias, the transposed SpMM with an int32 and a uint16 row index
+# (perm, bias, uint16 index) of the gathering SpMMs (x as transposed batch tiles): the forward
+# without and with a bias, the transposed SpMM with an int32 and a uint16 row index; each in
+# every dtype and with float32 values beside half activations
 _GATHER_ORDERS = ((False, False, False), (False, True, False), (True, False, False), (True, False, True))
+_GATHER_KINDS = ((0, None), (1, None), (2, None), (1, 0), (2, 0))  # (x's kind, the values' kind)
 
 
 def variants():
@@ -140,13 +142,16 @@ def variants():
                     out.append((d.py_func.__name__, d,
                                 _sig([el, el, "int32", "int32", el, "float32", el, "float32"], 5)))
     from . import ops
-    for perm, bias, i16 in _GATHER_ORDERS:
-        d = ops._gather_kernel(perm, bias)  # the gathering SpMMs as ops launches them
-        out.append((d.py_func.__name__ + ("_idx16" if i16 else ""), d,
-                    _sig(["float32", "int32", "uint16" if i16 else "int32", "float32", "int32", "float32", "float32"], 3)))
-    for kind, el in _ELEM.items():  # the gathering SpMMs' transposed input tiles
-        d = kernels.make_tiles_t_kernel(kind)
-        out.append((d.py_func.__name__, d, _sig([el, "float32"], 2)))
+    for kind, vkind in _GATHER_KINDS:
+        el, vel = _ELEM[kind], _ELEM[kind if vkind is None else vkind]
+        for perm, bias, i16 in _GATHER_ORDERS:
+            d = ops._gather_kernel(perm, bias, kind, vkind)  # the gathering SpMMs as ops launches them
+            out.append((d.py_func.__name__ + ("_idx16" if i16 else ""), d,
+                        _sig([el, "int32", "uint16" if i16 else "int32", vel, "int32", el, vel], 3)))
+    for kind, el in _ELEM.items():  # the gathering SpMMs' transposed input tiles (float32, or x's dtype)
+        for native in ((False, True) if kind else (False,)):
+            d = kernels.make_tiles_t_kernel(kind, native)
+            out.append((d.py_func.__name__, d, _sig([el, el if native else "float32"], 2)))
     from numba import types
     for decoupled in (False, True):
         d = kernels.make_adam_kernel(decoupled)

@@ -419,39 +419,57 @@ def test_float32_values_with_half_activations(B, density, dtype, gen):
         assert torch.equal(dxf, want)
 
 
-@pytest.mark.parametrize("shape,density,B,chunks", [
-    ((4096, 4096), 0.1, 32, None), ((4096, 4096), 0.05, 128, None), ((4096, 4096), 0.01, 33, None),
-    ((777, 4100), 0.05, 40, 3), ((301, 1000), 0.3, 64, 1), ((3072, 768), 0.1, 96, None),
+@pytest.mark.parametrize("shape,density,B,chunks,dtype,vdtype", [
+    ((4096, 4096), 0.1, 32, None, torch.float32, torch.float32),
+    ((4096, 4096), 0.05, 128, None, torch.float32, torch.float32),
+    ((4096, 4096), 0.01, 33, None, torch.float32, torch.float32),
+    ((777, 4100), 0.05, 40, 3, torch.float32, torch.float32), ((301, 1000), 0.3, 64, 1, torch.float32, torch.float32),
+    ((3072, 768), 0.1, 96, None, torch.float32, torch.float32),
+    ((4096, 4096), 0.01, 128, None, torch.bfloat16, torch.bfloat16),
+    ((777, 4100), 0.05, 40, 3, torch.float16, torch.float16),
+    ((3072, 768), 0.02, 96, None, torch.bfloat16, torch.float32),
+    ((301, 1000), 0.3, 33, None, torch.float16, torch.float32),
 ])
-def test_gather_spmms_eager_and_captured(shape, density, B, chunks, gen):
-    # the gathering SpMMs (wide_mode "gather", float32; they read x as transposed batch tiles):
-    # forward with and without a bias and dX against float64, outputs poisoned; then the same
-    # calls captured in a CUDA graph and replayed on new inputs
+def test_gather_spmms_eager_and_captured(shape, density, B, chunks, dtype, vdtype, gen):
+    # the gathering SpMMs (wide_mode "gather"; they read x as transposed batch tiles of its
+    # dtype), in float32, half precision, and float32 values with half activations: forward with
+    # and without a bias and dX against float64 (half: within twice torch's own error at that
+    # dtype), outputs poisoned; then the same calls captured in a CUDA graph and replayed on new
+    # inputs
     import snack.gpu as G
     from snack.core import COO
     from snack.core.reference import spmm_reference, spmm_t_reference
     from snack.gpu import ops
     o, i = shape
     coo = COO.random(shape, density=density, generator=gen, device="cuda")
-    t, v = coo.topology, coo.values
-    bias = torch.randn(o, generator=gen).cuda()
-    x = torch.randn(B, i, generator=gen).cuda()
-    dy = torch.randn(B, o, generator=gen).cuda()
-    y, yb, dx = (torch.empty(B, o, device="cuda"), torch.empty(B, o, device="cuda"), torch.empty(B, i, device="cuda"))
+    t, v = coo.topology, coo.values.to(vdtype)
+    bias = torch.randn(o, generator=gen).cuda().to(vdtype)
+    x = torch.randn(B, i, generator=gen).cuda().to(dtype)
+    dy = torch.randn(B, o, generator=gen).cuda().to(dtype)
+    y, yb = torch.empty(B, o, device="cuda", dtype=dtype), torch.empty(B, o, device="cuda", dtype=dtype)
+    dx = torch.empty(B, i, device="cuda", dtype=dtype)
+    w_dense = coo.to_dense().to(vdtype).to(dtype) if dtype != torch.float32 else None
 
     def calls():
         G.spmm(x, t, v, out=y, wide=True, chunks=chunks)
         G.spmm(x, t, v, out=yb, bias=bias, wide=True, chunks=chunks)
         G.spmm_t(dy, t, v, out=dx, wide=True, chunks=chunks)
 
+    def err(got, want):
+        return ((got.double() - want).norm() / want.norm()).item()
+
     def check():
         torch.cuda.synchronize()
         ref = spmm_reference(x.double(), t.indices, v.double(), o)
-        for name, got, want in (("spmm", y, ref), ("spmm + bias", yb, ref + bias.double()),
-                                ("spmm_t", dx, spmm_t_reference(dy.double(), t.indices, v.double(), i))):
-            assert torch.isfinite(got).all(), f"{name}: an output element was not written"
-            err = ((got.double() - want).norm() / want.norm()).item()
-            assert err < 1e-5, (name, err)
+        dxref = spmm_t_reference(dy.double(), t.indices, v.double(), i)
+        # half precision: torch's own error at that dtype (its dense products) sets the bound
+        own = {} if w_dense is None else {
+            "spmm": err(torch.nn.functional.linear(x, w_dense), ref),
+            "spmm + bias": err(torch.nn.functional.linear(x, w_dense, bias.to(dtype)), ref + bias.double()),
+            "spmm_t": err(dy @ w_dense, dxref)}
+        for name, got, want in (("spmm", y, ref), ("spmm + bias", yb, ref + bias.double()), ("spmm_t", dx, dxref)):
+            assert got.dtype == dtype and torch.isfinite(got).all(), f"{name}: an output element was not written"
+            assert err(got, want) < (1e-5 if w_dense is None else 2 * own[name]), (name, err(got, want), own.get(name))
 
     with ops.wide_mode("gather"):
         for out in (y, yb, dx):
@@ -464,8 +482,8 @@ def test_gather_spmms_eager_and_captured(shape, density, B, chunks, gen):
         with torch.cuda.graph(g):
             calls()
         for _ in range(2):
-            x.copy_(torch.randn(B, i, generator=gen).cuda())
-            dy.copy_(torch.randn(B, o, generator=gen).cuda())
+            x.copy_(torch.randn(B, i, generator=gen).cuda().to(dtype))
+            dy.copy_(torch.randn(B, o, generator=gen).cuda().to(dtype))
             for out in (y, yb, dx):
                 out.fill_(float("nan"))
             g.replay()

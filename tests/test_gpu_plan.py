@@ -313,11 +313,13 @@ def test_gathering_spmm_chosen_for_very_sparse_w_from_b32(h200):
     assert ops._gathers(32, None, "spmm", 0, sparse) and ops._gathers(128, None, "spmm_t", 0, sparse)
     assert not ops._gathers(31, None, "spmm", 0, sparse)
     assert not ops._gathers(128, None, "spmm", 0, denser)
-    assert not any(ops._gathers(128, None, "spmm", k, sparse) for k in (1, 2, 3, 4, 5))  # float32 only
+    assert ops.GATHER_KINDS == (0,)  # by default float32 only
+    assert not any(ops._gathers(128, None, "spmm", k, sparse) for k in (1, 2, 3, 4, 5))
     assert not ops._gathers(128, True, "spmm", 0, sparse) and not ops._gathers(128, False, "spmm", 0, sparse)
     with ops.wide_mode("gather"):
         assert ops._gathers(128, True, "spmm", 0, denser) and ops._gathers(128, None, "spmm", 0, denser)
         assert not ops._gathers(128, False, "spmm", 0, sparse) and not ops._gathers(8, None, "spmm", 0, denser)
+        assert all(ops._gathers(128, None, "spmm", k, sparse) for k in (1, 2, 3, 4, 5))  # forced: every dtype
     for mode in ("own", "warp", "rows4"):
         with ops.wide_mode(mode):
             assert not ops._gathers(128, None, "spmm", 0, sparse)
@@ -327,6 +329,6 @@ def test_gathering_spmm_chosen_for_very_sparse_w_from_b32(h200):
         bound = ops._build_spmm_plan(sparse, transposed, 40, 0, "cuda:0", None, 1024, None, None, None, False,
                                      "atomic")[0]
         assert bound.dispatcher is kernels.make_spmm_gather_kernel(transposed, False, not transposed,
-                                                                   ops.GATHER_MIN_BLOCKS)
+                                                                   ops.GATHER_MIN_BLOCKS, 0, None)
         assert bound.grid == (-(-n_rows // kernels.GATHER_ROWS), 2, 1) and bound.block == 256
         assert bound.tiles_transposed.grid == (-(-(700 - n_rows) // kernels.WIDE), 2, 1)

@@ -946,43 +946,56 @@ def test_float32_values_with_half_activations_are_read_unrounded(dtype, B, kw):
         G.spmm(x.float(), t, v.to(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_tiles_transposed_kernel(dtype):
-    # the gathering SpMMs' input: xt[t, c, j] = x[32 t + j, c] in float32, zeros past the batch,
-    # from one launch over partial 32 x 32 squares
+@pytest.mark.parametrize("dtype,native", [(torch.float32, False), (torch.float16, False), (torch.float16, True),
+                                          (torch.bfloat16, True)])
+def test_tiles_transposed_kernel(dtype, native):
+    # the gathering SpMMs' input: xt[t, c, j] = x[32 t + j, c] in float32 (or, native, in x's own
+    # dtype, bfloat16 as int16 bits), zeros past the batch, from one launch over partial 32 x 32
+    # squares
     import numpy as np
     from snack.gpu import kernels
+    from snack.gpu.launch import as_kernel_array
     g = torch.Generator().manual_seed(0)
     B, n = 37, 45
     x = torch.randn(B, n, generator=g).to(dtype)
-    xt = np.full(2 * n * 32, np.nan, dtype=np.float32)
-    kernels.make_tiles_t_kernel(0 if dtype == torch.float32 else 1)[(2, 2), 256, 0, kernels.TILES_T_SMEM](x.reshape(-1).numpy(), xt, B, n)
-    want = torch.cat([x.float(), torch.zeros(64 - B, n)]).view(2, 32, n).transpose(1, 2).reshape(-1)
-    assert torch.equal(torch.from_numpy(xt), want)
+    xt = torch.full((2 * n * 32,), float("nan"), dtype=dtype if native else torch.float32)
+    kind = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
+    kernels.make_tiles_t_kernel(kind, native)[(2, 2), 256, 0, kernels.TILES_T_SMEM](
+        as_kernel_array(x.reshape(-1)).numpy(), as_kernel_array(xt).numpy(), B, n)
+    want = torch.cat([x, torch.zeros(64 - B, n, dtype=dtype)]).view(2, 32, n).transpose(1, 2).reshape(-1)
+    assert xt.dtype == (dtype if native else torch.float32) and not np.isnan(xt.float().numpy()).any()
+    assert torch.equal(xt, want.to(xt.dtype))
 
 
-@pytest.mark.parametrize("shape,B,density", [((37, 45), 20, 0.3), ((70, 9), 33, 0.4), ((40, 300), 64, 0.05)])
-def test_gather_spmms(shape, B, density):
+@pytest.mark.parametrize("shape,B,density,dtype,vdtype", [
+    ((37, 45), 20, 0.3, torch.float32, torch.float32), ((70, 9), 33, 0.4, torch.float32, torch.float32),
+    ((40, 300), 64, 0.05, torch.float32, torch.float32), ((37, 45), 20, 0.3, torch.float16, torch.float16),
+    ((70, 9), 33, 0.4, torch.bfloat16, torch.bfloat16), ((40, 300), 40, 0.05, torch.bfloat16, torch.float32),
+    ((23, 50), 35, 0.2, torch.float16, torch.float32)])
+def test_gather_spmms(shape, B, density, dtype, vdtype):
     # the gathering SpMMs (wide_mode "gather"): no staging, each entry reads its column's line of
-    # the transposed batch tiles; partial tiles, rows past the last block's end, empty rows, and
-    # dX on the transposed order with its uint16 row index; forward with and without a bias and
-    # dX against float64, outputs poisoned, and every plan taking that path
+    # the transposed batch tiles (in x's dtype); partial tiles, rows past the last block's end,
+    # empty rows, and dX on the transposed order with its uint16 row index; half precision, and
+    # float32 values with half activations; forward with and without a bias and dX against
+    # float64 (half: within TOL, the outputs in x's dtype), outputs poisoned, and every plan
+    # taking that path
     from snack.gpu import ops
     coo = COO.random(shape, density=density, seed=B)
-    t = coo.topology
+    t, v = coo.topology, coo.values.to(vdtype)
     g = torch.Generator().manual_seed(B)
-    x, dy, bias = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g), torch.randn(shape[0], generator=g)
-    y, yb = torch.full((B, shape[0]), float("nan")), torch.full((B, shape[0]), float("nan"))
-    dx = torch.full((B, shape[1]), float("nan"))
+    x, dy = torch.randn(B, shape[1], generator=g).to(dtype), torch.randn(B, shape[0], generator=g).to(dtype)
+    bias = torch.randn(shape[0], generator=g).to(vdtype)
+    y, yb = torch.full((B, shape[0]), float("nan"), dtype=dtype), torch.full((B, shape[0]), float("nan"), dtype=dtype)
+    dx = torch.full((B, shape[1]), float("nan"), dtype=dtype)
     with ops.wide_mode("gather"):
-        G.spmm(x, t, coo.values, out=y, wide=True)
-        G.spmm(x, t, coo.values, out=yb, bias=bias, wide=True)
-        G.spmm_t(dy, t, coo.values, out=dx, wide=True)
+        G.spmm(x, t, v, out=y, wide=True)
+        G.spmm(x, t, v, out=yb, bias=bias, wide=True)
+        G.spmm_t(dy, t, v, out=dx, wide=True)
     gathering = [plan[0] for key, plan in t.cache.items()
                  if isinstance(key, tuple) and key[0] == "spmm_plan" and plan is not None and plan[0].tiles_transposed]
     assert len(gathering) == 3
-    xd, vd = x.double(), coo.values.double()
+    xd, vd = x.double(), v.double()
     ref = spmm_reference(xd, t.indices, vd, shape[0])
-    assert _rel(y, ref) < TOL[torch.float32]
-    assert _rel(yb, ref + bias.double()) < TOL[torch.float32]
-    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, shape[1])) < TOL[torch.float32]
+    assert _rel(y, ref) < TOL[dtype]
+    assert _rel(yb, ref + bias.double()) < TOL[dtype]
+    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, vd, shape[1])) < TOL[dtype]
