@@ -63,7 +63,7 @@ def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=Fa
     128-byte line per load, and its leftovers), float32 and float16, a shorter run; mixed:
     float32 values and bias with float16 / bfloat16 x and dy (the mixed-precision variants of the
     SpMMs), every variant; gather: only the SpMMs that read x as transposed batch tiles (the
-    gathering ones: wide_mode "gather", float32), a shorter run. Prints one line per shape as it
+    gathering ones: wide_mode "gather", every dtype), a shorter run. Prints one line per shape as it
     goes (a sanitizer run cut short still shows how far it got). dtypes: only these activation dtypes (names, e.g. ("float32",)) of
     the run's; shapes: only the run's shapes at these positions (0-based), for sanitizer runs
     split over several calls."""
@@ -81,7 +81,7 @@ def main(sums=("atomic", "parts", "cluster"), tiled=False, own=False, staging=Fa
         ops.PARTIAL_SUMS = "atomic" if mode == "cluster" else mode
         ops.CLUSTER_SUMS = mode == "cluster"
         dts = ((torch.float16, torch.bfloat16) if mixed else (torch.float32, torch.float16) if staging
-               else (torch.float32,) if gather else (torch.float32, torch.float16, torch.bfloat16))
+               else (torch.float32, torch.float16, torch.bfloat16))
         if dtypes is not None:
             dts = tuple(dt for dt in dts if str(dt).removeprefix("torch.") in dtypes)
         for dt in dts:
@@ -162,7 +162,7 @@ def cli(argv=None):
                          "kernels' line-at-a-time staging), float32 and float16: a shorter run")
     ap.add_argument("--gather", action="store_true",
                     help="only the SpMMs that read x as transposed batch tiles (wide mode gather; "
-                         "float32): a shorter run")
+                         "every dtype): a shorter run")
     ap.add_argument("--mixed", action="store_true",
                     help="float32 values and bias with float16 / bfloat16 activations (the SpMMs' "
                          "mixed-precision variants), every variant")

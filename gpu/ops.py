@@ -432,12 +432,13 @@ WIDE_OWN_THREADS = 512
 WIDE_OWN_PER_LANE = 4
 WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_THREADS)
 
-# The gathering SpMMs (kernels.make_spmm_gather_kernel; float32): x goes in as transposed batch
-# tiles (one more launch, kernels.make_tiles_t_kernel) and each non-zero reads its column's
-# 128-byte line of them from global memory (L2 / L1), with no staging, no column chunks and no
-# zeroed output: for very sparse W, where a staged chunk serves few non-zeros. WIDE_GATHER: None
-# (default) where W is at most GATHER_MAX_DENSITY dense from B = GATHER_FROM_B on, unless the call
-# names `wide`; True wherever the 32-wide kernels would run; False never. Measured on an H100
+# The gathering SpMMs (kernels.make_spmm_gather_kernel): x goes in as transposed batch tiles of
+# its dtype (one more launch, kernels.make_tiles_t_kernel) and each non-zero reads its column's
+# line of them (128 bytes in float32) from global memory (L2 / L1), with no staging, no column
+# chunks and no zeroed output: for very sparse W, where a staged chunk serves few non-zeros.
+# WIDE_GATHER: None (default) where W is at most GATHER_MAX_DENSITY dense (half-precision x:
+# GATHER_MAX_DENSITY_HALF) from B = GATHER_FROM_B on, unless the call names `wide`; True wherever
+# the 32-wide kernels would run; False never. Measured in float32 on an H100
 # (4096 x 4096, graph medians with the transposing launch, us, default -> gather; cuSPARSE CSR
 # alongside): forward at 99 %, B = 128 19.41 -> 13.44 (22.21), B = 64 13.31 -> 9.31 (19.37),
 # B = 32 8.76 -> 7.77 (18.99); 98 %, B = 128 24.48 -> 20.40 (31.70), B = 64 17.81 -> 13.10;
@@ -451,7 +452,13 @@ GATHER_MAX_DENSITY = 0.025
 GATHER_FROM_B = 32
 GATHER_PREFETCH: Optional[bool] = None  # None: the forward prefetches, dX does not
 GATHER_MIN_BLOCKS = 4
-GATHER_KINDS = (0,)  # the plan kinds (`_plan_kind`) that gather by default
+# With half-precision activations (float16 / bfloat16, values of that dtype or float32) the tiles
+# are in x's dtype and a non-zero reads a 64-byte line; there gathering also wins at 97 %. H100,
+# 4096 x 4096, bfloat16 (float16 alike), forward / dX, staged -> gather, us: 99 %, B = 128
+# 20.71 -> 13.76 / 23.77 -> 17.86 (cuSPARSE 24.99, dense 13.94), B = 64 14.10 -> 9.84,
+# B = 32 9.34 -> 8.80; 98 %, B = 128 26.11 -> 20.43, B = 64 18.40 -> 14.09; 97 %, B = 128
+# 29.38 -> 26.50 / 37.54 -> 34.14; 96 % 33.23 -> 32.71 (float16 33.33 -> 34.13); 95 % 36.39 -> 39.64.
+GATHER_MAX_DENSITY_HALF = 0.035
 
 
 # Timing decomposition only (results are wrong when set): the 32-wide SpMMs are built with
@@ -552,8 +559,8 @@ def _gathers(batch: int, wide: Optional[bool], op: str, kind: int, topo: Topolog
     """Whether an SpMM of plan kind `kind` gathers (see WIDE_GATHER)."""
     if WIDE_GATHER is not None:
         return bool(WIDE_GATHER) and _use_wide(batch, wide, op, topo)
-    return (wide is None and kind in GATHER_KINDS and batch >= GATHER_FROM_B
-            and _density(topo) <= GATHER_MAX_DENSITY)
+    limit = GATHER_MAX_DENSITY if _kinds(kind)[0] == 0 else GATHER_MAX_DENSITY_HALF
+    return wide is None and batch >= GATHER_FROM_B and _density(topo) <= limit
 
 
 def _gather_kernel(transposed: bool, has_bias: bool, kind: int = 0, vkind: Optional[int] = None):

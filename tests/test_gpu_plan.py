@@ -303,7 +303,7 @@ def test_bound_launch_cluster_checks(monkeypatch):
 
 
 def test_gathering_spmm_chosen_for_very_sparse_w_from_b32(h200):
-    # float32, W at most GATHER_MAX_DENSITY dense, B >= GATHER_FROM_B, no `wide` named;
+    # float32: W at most GATHER_MAX_DENSITY dense, B >= GATHER_FROM_B, no `wide` named;
     # wide_mode("gather") gathers wherever the 32-wide kernels would run, the staged modes never
     from snack.core import COO
     from snack.gpu import kernels
@@ -313,8 +313,12 @@ def test_gathering_spmm_chosen_for_very_sparse_w_from_b32(h200):
     assert ops._gathers(32, None, "spmm", 0, sparse) and ops._gathers(128, None, "spmm_t", 0, sparse)
     assert not ops._gathers(31, None, "spmm", 0, sparse)
     assert not ops._gathers(128, None, "spmm", 0, denser)
-    assert ops.GATHER_KINDS == (0,)  # by default float32 only
-    assert not any(ops._gathers(128, None, "spmm", k, sparse) for k in (1, 2, 3, 4, 5))
+    # half-precision x (with values of its dtype or float32) up to GATHER_MAX_DENSITY_HALF
+    half = COO.random((300, 400), density=0.03, seed=0).topology
+    assert ops.GATHER_MAX_DENSITY < ops._density(half) <= ops.GATHER_MAX_DENSITY_HALF
+    assert all(ops._gathers(128, None, "spmm", k, half) for k in (1, 2, 4, 5))
+    assert not ops._gathers(128, None, "spmm", 0, half) and not ops._gathers(31, None, "spmm", 2, sparse)
+    assert not ops._gathers(128, None, "spmm", 1, COO.random((300, 400), density=0.04, seed=0).topology)
     assert not ops._gathers(128, True, "spmm", 0, sparse) and not ops._gathers(128, False, "spmm", 0, sparse)
     with ops.wide_mode("gather"):
         assert ops._gathers(128, True, "spmm", 0, denser) and ops._gathers(128, None, "spmm", 0, denser)
