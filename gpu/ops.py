@@ -34,9 +34,10 @@ their column chunks are as wide as shared memory allows, or at most
 fewer than `WIDE_ROWS4_BELOW` non-zeros per chunk on average, each group of 8 lanes takes a row
 of its own (`rows4`) instead of a warp per row (the SDDMM also when rows are many,
 `_sddmm_rows4`); elsewhere the wide forward runs with lanes that own whole non-zeros (`own`,
-512-thread blocks, `WIDE_OWN`). In float32 from B = 32 on, a W at most `GATHER_MAX_DENSITY`
-(2.5 %) dense takes neither: the SpMMs gather each non-zero's column from X's batch tiles,
-written transposed by one more launch (`WIDE_GATHER`, `kernels.make_spmm_gather_kernel`; no
+512-thread blocks, `WIDE_OWN`). From B = 32 on, a W at most `GATHER_MAX_DENSITY` (2.5 %)
+dense, or with half-precision activations `GATHER_MAX_DENSITY_HALF` (3.5 %), takes neither: the
+SpMMs gather each non-zero's column from X's batch tiles (in X's dtype), written transposed by
+one more launch (`WIDE_GATHER`, `kernels.make_spmm_gather_kernel`; no
 staging, no atomics, deterministic). The wide SDDMM gives each 32-column batch tile its own blocks; above B = 32
 the tiles' parts add up with fp32 atomics (its result may then differ in the last bits from
 run to run; every other op, and the SDDMM up to B = 32, is deterministic apart from the
