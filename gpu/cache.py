@@ -96,6 +96,9 @@ def _describe(o, files: set) -> str:
     py_func = getattr(o, "py_func", None)
     if py_func is not None and hasattr(o, "targetoptions"):  # a Numba dispatcher (a device function)
         return f"dispatcher[{_describe(py_func, files)},{_describe(dict(o.targetoptions), files)}]"
+    defn = getattr(o, "_defn", None)
+    if isinstance(defn, types.FunctionType) and type(o).__name__ == "_Intrinsic":  # a Numba intrinsic
+        return f"intrinsic[{_describe(defn, files)}]"
     if isinstance(o, types.FunctionType):
         files.add(o.__code__.co_filename)
         cells = tuple(c.cell_contents for c in (o.__closure__ or ()))
