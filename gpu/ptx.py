@@ -179,13 +179,15 @@ def _device_functions_for(cc: Tuple[int, int]):
 
 
 def _compile_slice(args) -> Dict[str, str]:
-    """{name: PTX} of variants()[part::parts] for compute capability cc; args = (cc, part, parts)."""
+    """{name: PTX} of variants()[part::parts] for compute capability cc, each with the launch
+    bounds its dispatcher is compiled with (`.maxntid`, `.minnctapersm`); args = (cc, part, parts)."""
     from numba import cuda
     cc, part, parts = args
     res = {}
     with _device_functions_for(cc):
         for name, d, sig in variants()[part::parts]:
-            ptx, _ = cuda.compile_ptx(d.py_func, sig, cc=cc)
+            bounds = d.targetoptions.get("launch_bounds")
+            ptx, _ = cuda.compile_ptx(d.py_func, sig, cc=cc, **({"launch_bounds": bounds} if bounds else {}))
             res[name] = ptx
     return res
 

@@ -23,6 +23,17 @@ for name, ptx in res.items():
         assert ptx.count('barrier.cluster.wait') == 2 and 'ld.shared::cluster.f32' in ptx, name
         assert 'atom.global' not in ptx, name + ' adds with atomics'
 assert sum('_cluster' in n for n in res) >= 40
+# each variant carries the launch bounds its dispatcher is compiled with (the gathering SpMMs:
+# 256 threads, 4 blocks per SM, i.e. 64 registers)
+bounds = {name: d.targetoptions.get('launch_bounds') for name, d, sig in variants()}
+for name, ptx in res.items():
+    b = bounds[name]
+    if b:
+        b = (b,) if isinstance(b, int) else tuple(b)
+        assert '.maxntid %d' % b[0] in ptx, name
+        assert len(b) < 2 or b[1] == 0 or '.minnctapersm %d' % b[1] in ptx, name
+gathers = [n for n in res if n.startswith('snack_spmm_gather_')]
+assert len(gathers) == 20 and all('.maxntid 256' in res[n] and '.minnctapersm 4' in res[n] for n in gathers)
 print('compiled', len(res))
 """
 
