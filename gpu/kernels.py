@@ -328,13 +328,13 @@ def _make_stage(BT, ld, cols=False):
     return stage
 
 
-def _make_load_step(ld, has_perm):
+def _make_load_nz(ld, has_perm):
+    """(idx, val, perm, k, end) -> (column, value as float32) of CSR entry k (the value read with
+    `ld`, through perm when has_perm), or (0, 0) past the row's end."""
     HAS_PERM = has_perm
 
     @_inlined
     def load_nz(idx, val, perm, k, end):
-        """(column, value) of CSR entry k (the value read through perm when has_perm), or (0, 0)
-        past the row's end."""
         c = int32(0)
         v = float32(0.0)
         if k < end:
@@ -344,6 +344,11 @@ def _make_load_step(ld, has_perm):
             else:
                 v = ld(val, uint32(k))
         return c, v
+    return load_nz
+
+
+def _make_load_step(ld, has_perm):
+    load_nz = _make_load_nz(ld, has_perm)
 
     @_inlined
     def load_step(idx, val, perm, k, end):
@@ -1489,27 +1494,6 @@ def make_sddmm_wide_kernel(kind: int, with_db: bool = False, rows4: bool = False
 ADAM_THREADS = 256
 
 
-@functools.lru_cache(maxsize=None)
-def _make_gather_entry(vkind: int):
-    """The gathering SpMM's entry load for values of kind `vkind`: (idx, val, perm, k, s1,
-    has_perm) -> (column, value as float32) of entry k (the value through perm in the transposed
-    order), or (0, 0) past its row's end s1."""
-    ld = _LOADERS[vkind]
-
-    @_inlined
-    def gather_entry(idx, val, perm, k, s1, has_perm):
-        c = int32(0)
-        v = float32(0.0)
-        if k < s1:
-            c = int32(idx[uint32(k)])
-            if has_perm:
-                v = ld(val, uint32(perm[uint32(k)]))
-            else:
-                v = ld(val, uint32(k))
-        return c, v
-    return gather_entry
-
-
 GATHER_ROWS = 32  # rows per block of the gathering SpMM (a group of 8 lanes per row)
 GATHER_SMEM = GATHER_ROWS * 33 * 4  # its output tile
 TILES_T_SMEM = 32 * 33 * 4  # the square of the kernel that writes its input (make_tiles_t_kernel)
@@ -1540,12 +1524,11 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bo
     round's lines, so that only the first round waits for two loads in a row. `min_blocks`
     (0: none) is the launch bound's blocks per SM (registers capped at 65536 / (256 min_blocks)).
     """
-    HAS_PERM = has_perm
     HAS_BIAS = has_bias
     PREFETCH = prefetch
     vkind = _vkind(kind, vkind)
-    entry = _make_gather_entry(kind if vkind is None else vkind)
     bld = _LOADERS[kind if vkind is None else vkind]
+    entry = _make_load_nz(bld, has_perm)  # a lane's entry: (column, value), (0, 0) past the row
     ldg4 = _LDG4[kind]
     cv = _CONVERTERS[kind]
 
@@ -1579,15 +1562,15 @@ def make_spmm_gather_kernel(has_perm: bool, has_bias: bool = False, prefetch: bo
         cn = int32(0)
         vn = float32(0.0)
         if PREFETCH:
-            cn, vn = entry(idx, val, perm, s0 + kq, s1, HAS_PERM)
+            cn, vn = entry(idx, val, perm, s0 + kq, s1)
         while i0 < n:  # warp-uniform: the longest of the warp's four rows
             k = s0 + i0 + kq
             if PREFETCH:
                 c = cn
                 v = vn
-                cn, vn = entry(idx, val, perm, k + 8, s1, HAS_PERM)
+                cn, vn = entry(idx, val, perm, k + 8, s1)
             else:
-                c, v = entry(idx, val, perm, k, s1, HAS_PERM)
+                c, v = entry(idx, val, perm, k, s1)
             # the 8 entries' lines are all requested before any is used (entries past a row's
             # end have value 0 and read column 0's line, which the L1 keeps)
             for i in range(8):
