@@ -771,16 +771,14 @@ def _run_spmm(x, topo, transposed, values, y, bias, bt, threads, wide, chunks, s
         return False
     bound, sums = plan
     target = _partial_target(y, sums, bound.grid[0], dev)
+    views = _SIM or (kind % 3 == 2 and _BF16_VIEWS)  # bfloat16 as int16 bits; 1-D numpy views under the simulator
     prep = bound.tiles_transposed
     if prep is not None:  # (the gathering SpMM) the kernel reads x's batch tiles transposed
         xt = torch.empty(prep.grid[1] * x.shape[1] * kernels.WIDE, dtype=x.dtype, device=dev)
-        if _SIM or (kind % 3 == 2 and _BF16_VIEWS):
-            prep([as_kernel_array(x), as_kernel_array(xt)], dev)
-        else:
-            prep([x, xt], dev)
+        prep([as_kernel_array(x), as_kernel_array(xt)] if views else [x, xt], dev)
         x = xt
     # without a bias, `values` stands in for the unread argument
-    if _SIM or (kind % 3 == 2 and _BF16_VIEWS):  # bfloat16 as int16 bits; 1-D numpy views under the simulator
+    if views:
         vals = as_kernel_array(values)
         bound([as_kernel_array(x), vals, as_kernel_array(target), vals if bias is None else as_kernel_array(bias)],
               dev)
