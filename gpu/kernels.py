@@ -943,7 +943,7 @@ def _make_stage_quad(ld, plain=False):
 def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
                           rows4: bool = False, own: bool = False, threads: int = 1024, per_lane: int = 4,
-                          probe: int = 0, vkind: Optional[int] = None):
+                          probe: int = 0, vkind: Optional[int] = None, pipe: bool = False):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -1000,12 +1000,12 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     """
     return _spmm_wide_kernel(int(kind), bool(has_perm), sums, bool(has_bias), bool(idx16), bool(fused),
                              bool(with_db), bool(rows4), bool(own), int(threads), int(per_lane), int(probe),
-                             _vkind(kind, vkind))
+                             _vkind(kind, vkind), bool(pipe) and bool(own))
 
 
 @functools.lru_cache(maxsize=None)
 def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, rows4, own, threads, per_lane,
-                      probe, vkind):
+                      probe, vkind, pipe=False):
     """make_spmm_wide_kernel, cached on its arguments however they were passed."""
     if own and (fused or rows4):
         raise ValueError("own is a variant of the plain SpMMs, without fused or rows4")
@@ -1028,6 +1028,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     OWN = own
     U = per_lane if own else 1
     ROWG = rows4 or own  # a row per group of 8 lanes
+    PIPE = pipe
     P_STAGE = (probe & 1) == 0
     P_ROWS = (probe & 2) == 0
     P_FLUSH = (probe & 4) == 0
@@ -1059,6 +1060,8 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
         vas = cuda.local.array(U, dtype=float32)
         ccur = cuda.local.array(U, dtype=int32)  # (own) the current ones (row offsets, values)
         vcur = cuda.local.array(U, dtype=float32)
+        qa = cuda.local.array(16, dtype=float32)  # (own, pipe) an entry's half of 16 staged values
+        qb = cuda.local.array(16, dtype=float32)
         tid = int32(cuda.threadIdx.x)
         nthreads = int32(cuda.blockDim.x)
         ch0 = int32(cuda.blockIdx.x) * int32(cps)
@@ -1143,8 +1146,43 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                             for u in range(U):
                                 vcur[u] = vas[u]
                                 crs[u], vas[u] = load_nz(idx, val, perm, int32(e0 + int32(8 * u)), e1, c0)
+                        if PIPE and P_FMA:
+                            # software-pipelined by half entries: an entry's second 4 reads are
+                            # issued before the FMAs of its first 4, and the next entry's first 4
+                            # before the FMAs of its second 4, so that reads are in flight while
+                            # the FMAs run (each sub-step is a block of its own: the warp-uniform
+                            # test below)
+                            ca = ccur[0]
+                            for i in range(4):
+                                p = uint32((ca ^ (i << 2)) & -4)
+                                qa[4 * i] = xs[p]
+                                qa[4 * i + 1] = xs[p + 1]
+                                qa[4 * i + 2] = xs[p + 2]
+                                qa[4 * i + 3] = xs[p + 3]
+                            for u in range(U):
+                                if u == 0 or t + int32(8 * u) < n:  # warp-uniform
+                                    ca = ccur[u]
+                                    vc = vcur[u]
+                                    for i in range(4):
+                                        p = uint32((ca ^ ((i + 4) << 2)) & -4)
+                                        qb[4 * i] = xs[p]
+                                        qb[4 * i + 1] = xs[p + 1]
+                                        qb[4 * i + 2] = xs[p + 2]
+                                        qb[4 * i + 3] = xs[p + 3]
+                                    for j in range(16):
+                                        acc[j] += vc * qa[j]
+                                    if u + 1 < U and t + int32(8 * (u + 1)) < n:
+                                        cn = ccur[u + 1]
+                                        for i in range(4):
+                                            p = uint32((cn ^ (i << 2)) & -4)
+                                            qa[4 * i] = xs[p]
+                                            qa[4 * i + 1] = xs[p + 1]
+                                            qa[4 * i + 2] = xs[p + 2]
+                                            qa[4 * i + 3] = xs[p + 3]
+                                    for j in range(16):
+                                        acc[16 + j] += vc * qb[j]
                         for u in range(U):
-                            if P_FMA and (u == 0 or t + int32(8 * u) < n):  # warp-uniform
+                            if not PIPE and P_FMA and (u == 0 or t + int32(8 * u) < n):  # warp-uniform
                                 ca = ccur[u]
                                 vc = vcur[u]
                                 for i in range(8):
@@ -1354,7 +1392,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
                           f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
                           f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}"
-                          f"{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
+                          f"{'_pipe' if pipe else ''}{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
     return _jit(spmm_wide, launch_bounds=(threads,))
 
 

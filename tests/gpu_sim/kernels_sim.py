@@ -443,15 +443,17 @@ def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch,
     _check_wide(wide_mode, coo, B, seed=8, wide=True, chunks=chunks, threads=64)
 
 
-@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("own", [False, True, "pipe"])
 @pytest.mark.parametrize("dtype,B,chunks", [(torch.float32, 35, None), (torch.float16, 40, 2)])
 def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, chunks, own):
-    # a row per group of 8 lanes (rows4, or lane-owned with own), one warp over 17 rows: the
-    # four groups of a warp walk segments of 0, 1, 7, 8, 9, 32, 33 and 90 non-zeros side by side
-    # (rounds of 8 entries, or 8 x WIDE_OWN_PER_LANE, the last one trimmed to the longest
-    # segment), and the last round of rows has one row and three groups past the block's rows
+    # a row per group of 8 lanes (rows4, or lane-owned with own; "pipe": lane-owned with the
+    # reads software-pipelined), one warp over 17 rows: the four groups of a warp walk segments
+    # of 0, 1, 7, 8, 9, 32, 33 and 90 non-zeros side by side (rounds of 8 entries, or
+    # 8 x WIDE_OWN_PER_LANE, the last one trimmed to the longest segment), and the last round of
+    # rows has one row and three groups past the block's rows
     from snack.gpu import ops
-    monkeypatch.setattr(ops, "WIDE_OWN", own)
+    monkeypatch.setattr(ops, "WIDE_OWN", bool(own))
+    monkeypatch.setattr(ops, "WIDE_OWN_PIPE", own == "pipe")
     monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9)
     monkeypatch.setattr(ops, "SDDMM_ROWS4", True)
     monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
