@@ -133,6 +133,44 @@ else:
         return _types.float32(arr, i, rank), codegen
 
 
+# The wide kernels' atomic flush adds 4 consecutive outputs with one 16-byte reduction
+# (red.global.add.v4.f32, compute capability >= 9.0) where y's base is 16-byte aligned.
+if _SIM:
+    def _aligned16(arr):
+        return True  # (the simulator's adds below are scalar: any alignment does)
+
+    def _red4(arr, i, a, b, c, d):
+        i = int(i)
+        cuda.atomic.add(arr, i, a)
+        cuda.atomic.add(arr, i + 1, b)
+        cuda.atomic.add(arr, i + 2, c)
+        cuda.atomic.add(arr, i + 3, d)
+else:
+    @_intrinsic
+    def _aligned16(typingctx, arr):
+        """Whether the array's first element is 16-byte aligned."""
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            a = builder.ptrtoint(data, _ir.IntType(64))
+            low = builder.and_(a, _ir.Constant(_ir.IntType(64), 15))
+            return builder.icmp_unsigned("==", low, _ir.Constant(_ir.IntType(64), 0))
+        return _types.boolean(arr), codegen
+
+    @_intrinsic
+    def _red4(typingctx, arr, i, a, b, c, d):
+        """arr[i + k] += (a, b, c, d)[k], k < 4, for a float32 global array, as one 16-byte
+        atomic reduction (relaxed, GPU scope, as cuda.atomic.add's); arr's element i must be
+        16-byte aligned."""
+        def codegen(context, builder, signature, args):
+            addr = _elem_addr(context, builder, signature.args[0], args[0], args[1])
+            f = _ir.FloatType()
+            builder.asm(_ir.FunctionType(_ir.VoidType(), [_ir.IntType(64), f, f, f, f]),
+                        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
+                        [addr] + list(args[2:]), side_effect=True)
+            return context.get_dummy_value()
+        return _types.void(arr, i, a, b, c, d), codegen
+
+
 # The gathering SpMM reads the lines of X's transposed batch tiles with 16-byte read-only loads.
 if _SIM:
     def _ldg4(arr, i):
@@ -943,7 +981,7 @@ def _make_stage_quad(ld, plain=False):
 def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
                           rows4: bool = False, own: bool = False, threads: int = 1024, per_lane: int = 4,
-                          probe: int = 0, vkind: Optional[int] = None, pipe: bool = False):
+                          probe: int = 0, vkind: Optional[int] = None, red4: bool = True):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -1000,12 +1038,12 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     """
     return _spmm_wide_kernel(int(kind), bool(has_perm), sums, bool(has_bias), bool(idx16), bool(fused),
                              bool(with_db), bool(rows4), bool(own), int(threads), int(per_lane), int(probe),
-                             _vkind(kind, vkind), bool(pipe) and bool(own))
+                             _vkind(kind, vkind), bool(red4))
 
 
 @functools.lru_cache(maxsize=None)
 def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, rows4, own, threads, per_lane,
-                      probe, vkind, pipe=False):
+                      probe, vkind, red4=True):
     """make_spmm_wide_kernel, cached on its arguments however they were passed."""
     if own and (fused or rows4):
         raise ValueError("own is a variant of the plain SpMMs, without fused or rows4")
@@ -1028,7 +1066,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     OWN = own
     U = per_lane if own else 1
     ROWG = rows4 or own  # a row per group of 8 lanes
-    PIPE = pipe
+    V4 = ATOMIC and red4  # the atomic flush by 16-byte reductions where y allows
     P_STAGE = (probe & 1) == 0
     P_ROWS = (probe & 2) == 0
     P_FLUSH = (probe & 4) == 0
@@ -1060,8 +1098,6 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
         vas = cuda.local.array(U, dtype=float32)
         ccur = cuda.local.array(U, dtype=int32)  # (own) the current ones (row offsets, values)
         vcur = cuda.local.array(U, dtype=float32)
-        qa = cuda.local.array(16, dtype=float32)  # (own, pipe) an entry's half of 16 staged values
-        qb = cuda.local.array(16, dtype=float32)
         tid = int32(cuda.threadIdx.x)
         nthreads = int32(cuda.blockDim.x)
         ch0 = int32(cuda.blockIdx.x) * int32(cps)
@@ -1146,43 +1182,8 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                             for u in range(U):
                                 vcur[u] = vas[u]
                                 crs[u], vas[u] = load_nz(idx, val, perm, int32(e0 + int32(8 * u)), e1, c0)
-                        if PIPE and P_FMA:
-                            # software-pipelined by half entries: an entry's second 4 reads are
-                            # issued before the FMAs of its first 4, and the next entry's first 4
-                            # before the FMAs of its second 4, so that reads are in flight while
-                            # the FMAs run (each sub-step is a block of its own: the warp-uniform
-                            # test below)
-                            ca = ccur[0]
-                            for i in range(4):
-                                p = uint32((ca ^ (i << 2)) & -4)
-                                qa[4 * i] = xs[p]
-                                qa[4 * i + 1] = xs[p + 1]
-                                qa[4 * i + 2] = xs[p + 2]
-                                qa[4 * i + 3] = xs[p + 3]
-                            for u in range(U):
-                                if u == 0 or t + int32(8 * u) < n:  # warp-uniform
-                                    ca = ccur[u]
-                                    vc = vcur[u]
-                                    for i in range(4):
-                                        p = uint32((ca ^ ((i + 4) << 2)) & -4)
-                                        qb[4 * i] = xs[p]
-                                        qb[4 * i + 1] = xs[p + 1]
-                                        qb[4 * i + 2] = xs[p + 2]
-                                        qb[4 * i + 3] = xs[p + 3]
-                                    for j in range(16):
-                                        acc[j] += vc * qa[j]
-                                    if u + 1 < U and t + int32(8 * (u + 1)) < n:
-                                        cn = ccur[u + 1]
-                                        for i in range(4):
-                                            p = uint32((cn ^ (i << 2)) & -4)
-                                            qa[4 * i] = xs[p]
-                                            qa[4 * i + 1] = xs[p + 1]
-                                            qa[4 * i + 2] = xs[p + 2]
-                                            qa[4 * i + 3] = xs[p + 3]
-                                    for j in range(16):
-                                        acc[16 + j] += vc * qb[j]
                         for u in range(U):
-                            if not PIPE and P_FMA and (u == 0 or t + int32(8 * u) < n):  # warp-uniform
+                            if P_FMA and (u == 0 or t + int32(8 * u) < n):  # warp-uniform
                                 ca = ccur[u]
                                 vc = vcur[u]
                                 for i in range(8):
@@ -1369,6 +1370,32 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
         part = int64(0)
         if PARTS:  # this chunk group's part of y: (B, n_rows) elements
             part = int64(cuda.blockIdx.x) * int64(y.shape[0] // cuda.gridDim.x)
+        if V4 and ((int32(n_rows) | r0 | nr) & 3) == 0 and _aligned16(y):  # block-uniform
+            # quads of 4 rows, one 16-byte atomic each: 8 consecutive threads take 32
+            # consecutive rows of a column (one 128-byte line of y), a warp 4 columns; the tile
+            # reads (rows 33 words apart) fall on 32 distinct banks. Unit u: quad
+            # 8 (u >> 8) + (u & 7) of column (u >> 3) & 31
+            nq = nr >> 2
+            nu = ((nq + 7) >> 3) << 8
+            u = tid
+            while P_FLUSH and u < nu:
+                cq = (u >> 3) & 31
+                qd = ((u >> 8) << 3) | (u & 7)
+                if cq < ncol and qd < nq:
+                    q = qd << 2
+                    oq = uint32(ybase + q * 33 + cq)
+                    v0 = xs[oq]
+                    v1 = xs[oq + 33]
+                    v2 = xs[oq + 66]
+                    v3 = xs[oq + 99]
+                    if with_bias:
+                        v0 += vld(bias, uint32(r0 + q))
+                        v1 += vld(bias, uint32(r0 + q + 1))
+                        v2 += vld(bias, uint32(r0 + q + 2))
+                        v3 += vld(bias, uint32(r0 + q + 3))
+                    _red4(y, uint32((b0 + cq) * int32(n_rows) + r0 + q), v0, v1, v2, v3)
+                u += nthreads
+            col = ncol  # done: no scalar flush
         while P_FLUSH and col < ncol:
             q = rr + qa
             while q < qb:
@@ -1392,7 +1419,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
                           f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
                           f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}"
-                          f"{'_pipe' if pipe else ''}{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
+                          f"{'' if red4 or not ATOMIC else '_red1'}{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
     return _jit(spmm_wide, launch_bounds=(threads,))
 
 

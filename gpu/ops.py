@@ -401,7 +401,7 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     mode = _sum_mode()
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
                                CLUSTER_SUMS,
-                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_OWN_PIPE, WIDE_ROWS4_BELOW, WIDE_PROBE,
+                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_RED4, WIDE_ROWS4_BELOW, WIDE_PROBE,
                                WIDE_GATHER, GATHER_PREFETCH, GATHER_MIN_BLOCKS),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
@@ -432,7 +432,10 @@ WIDE_OWN: Optional[bool] = None
 WIDE_OWN_THREADS = 512
 WIDE_OWN_PER_LANE = 4
 WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_THREADS)
-WIDE_OWN_PIPE = False
+# The wide SpMMs' atomic flush adds 4 rows of a column with one 16-byte reduction
+# (red.global.add.v4.f32) where the rows, the block's first row and y's base allow (multiples of
+# 4, 16-byte aligned); False: one scalar atomic per element.
+WIDE_RED4 = True
 
 # The gathering SpMMs (kernels.make_spmm_gather_kernel): x goes in as transposed batch tiles of
 # its dtype (one more launch, kernels.make_tiles_t_kernel) and each non-zero reads its column's
@@ -605,7 +608,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             def make(sums):
                 return kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
                                                      own=own, threads=bound, per_lane=WIDE_OWN_PER_LANE,
-                                                     probe=WIDE_PROBE, vkind=vkind, pipe=WIDE_OWN_PIPE)
+                                                     probe=WIDE_PROBE, vkind=vkind, red4=WIDE_RED4)
             kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
                 make, mode, wp, ntiles, n_rows, wthreads, device,
                 _wide_dtypes(kind, vkind, idx.dtype, fused=False))

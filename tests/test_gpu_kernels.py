@@ -178,6 +178,36 @@ def test_wide_flush_with_more_rows_than_threads(monkeypatch, chunks, gen):
     _run_all(coo, 40, torch.float32, gen, wide=True, chunks=chunks)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 2, 4])
+@pytest.mark.parametrize("mode", ["warp", "own"])
+def test_wide_atomic_flush_into_an_output_at_any_offset(mode, offset, gen):
+    # the atomic flush adds quads of 4 rows with 16-byte reductions only where y's base is
+    # 16-byte aligned: an fp32 out= that starts 1, 2 or 4 floats into its buffer (4: aligned
+    # again) takes the sums itself; the elements before it stay as they were
+    import snack.gpu as G
+    from snack.core import COO
+    from snack.core.reference import spmm_reference, spmm_t_reference
+    from snack.gpu import ops
+    coo = COO.random((1024, 768), density=0.1, generator=gen, device="cuda")
+    t, v = coo.topology, coo.values
+    B = 40
+    x = torch.randn(B, 768, generator=gen).cuda()
+    dy = torch.randn(B, 1024, generator=gen).cuda()
+    bias = torch.randn(1024, generator=gen).cuda()
+    with ops.wide_mode(mode):
+        for shape, args, ref in (
+                ((B, 1024), (x, t, v), spmm_reference(x.double(), t.indices, v.double(), 1024) + bias.double()),
+                ((B, 768), (dy, t, v), spmm_t_reference(dy.double(), t.indices, v.double(), 768))):
+            buf = torch.full((shape[0] * shape[1] + offset,), float("nan"), device="cuda")
+            out = buf[offset:].view(shape)
+            if shape[1] == 1024:
+                G.spmm(*args, out=out, bias=bias, wide=True, chunks=2)
+            else:
+                G.spmm_t(*args, out=out, wide=True, chunks=2)
+            assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[torch.float32]
+            assert torch.isnan(buf[:offset]).all()
+
+
 @pytest.mark.parametrize("mode", ["warp", "rows4", "own"])
 @pytest.mark.parametrize("threads,B,chunks", [(640, 32, 5), (640, 128, 4), (768, 128, 4), (96, 40, 2)])
 def test_wide_block_sizes_not_a_power_of_two(monkeypatch, mode, threads, B, chunks, gen):

@@ -311,6 +311,43 @@ def test_wide_flush_with_a_block_size_not_a_power_of_two(monkeypatch, wide_mode)
     _check_spmm(coo, 20, seed=3, wide=True, chunks=2, threads=96)
 
 
+@pytest.mark.parametrize("shape,row_blocks,quads", [
+    ((24, 40), 3, True),   # row blocks of 8 rows: 4-row quads, one 16-byte atomic each
+    ((22, 40), 3, False),  # 22 rows: the scalar flush (a quad would reach past the last row)
+    ((24, 40), 4, False),  # row blocks of 6 rows: blocks start off a multiple of 4
+])
+def test_wide_atomic_flush_by_quads_of_rows(monkeypatch, shape, row_blocks, quads):
+    # column chunks added with atomics; B = 35: a whole batch tile and one of 3 columns (the
+    # quads past the tile's columns stay out); the forward with a bias added once per element;
+    # the 16-byte adds are counted (the simulator runs the kernels' Python, so the module's
+    # _red4 is the one called)
+    from snack.gpu import kernels, ops
+    calls = []
+    red4 = kernels._red4
+
+    def counted(*args):
+        calls.append(args[1])
+        red4(*args)
+    monkeypatch.setattr(kernels, "_red4", counted)
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args, **kw: row_blocks)
+    coo = COO.random(shape, density=0.3, seed=5)
+    g = torch.Generator().manual_seed(5)
+    B = 35
+    x, dy = torch.randn(B, shape[1], generator=g), torch.randn(B, shape[0], generator=g)
+    bias = torch.randn(shape[0], generator=g)
+    t, v = coo.topology, coo.values
+    y = torch.full((B, shape[0]), float("nan"))
+    G.spmm(x, t, v, out=y, bias=bias, wide=True, chunks=2, threads=64)
+    ref = spmm_reference(x.double(), t.indices, v.double(), shape[0]) + bias.double()
+    assert _rel(y, ref) < TOL[torch.float32]
+    assert ("atomic" in _plan_sums(t)) and (len(calls) > 0) == quads
+    if quads:  # every element once per chunk group: 2 groups x 35 columns x 24 rows / 4
+        assert len(calls) == 2 * B * shape[0] // 4 and all(int(i) % 4 == 0 for i in calls)
+    dx = torch.full((B, shape[1]), float("nan"))
+    G.spmm_t(dy, t, v, out=dx, wide=True, chunks=2, threads=64)
+    assert _rel(dx, spmm_t_reference(dy.double(), t.indices, v.double(), shape[1])) < TOL[torch.float32]
+
+
 def test_wide_staging_fast_path():
     # 256 threads (8 warps): several warps share the staging (full tile, then a partial one)
     coo = COO.random((4, 45), density=0.3, seed=1)
