@@ -1370,19 +1370,22 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
         part = int64(0)
         if PARTS:  # this chunk group's part of y: (B, n_rows) elements
             part = int64(cuda.blockIdx.x) * int64(y.shape[0] // cuda.gridDim.x)
-        if V4 and ((int32(n_rows) | r0 | nr) & 3) == 0 and _aligned16(y):  # block-uniform
-            # quads of 4 rows, one 16-byte atomic each: 8 consecutive threads take 32
-            # consecutive rows of a column (one 128-byte line of y), a warp 4 columns; the tile
-            # reads (rows 33 words apart) fall on 32 distinct banks. Unit u: quad
-            # 8 (u >> 8) + (u & 7) of column (u >> 3) & 31
-            nq = nr >> 2
+        if V4 and (int32(n_rows) & 3) == 0 and _aligned16(y):  # block-uniform
+            # the block's rows in quads of 4 aligned in y (rows 4k .. 4k + 3), one 16-byte atomic
+            # each: 8 consecutive threads take 32 consecutive rows of a column (one 128-byte
+            # line of y), a warp 4 columns; the tile reads (rows 33 words apart) fall on 32
+            # distinct banks. Unit u: quad 8 (u >> 8) + (u & 7) of column (u >> 3) & 31. The rows
+            # before the first whole quad and after the last (at most 3 each) go one by one
+            ka = (r0 + 3) >> 2
+            kb = r1 >> 2
+            nq = max(kb - ka, int32(0))
             nu = ((nq + 7) >> 3) << 8
             u = tid
             while P_FLUSH and u < nu:
                 cq = (u >> 3) & 31
                 qd = ((u >> 8) << 3) | (u & 7)
                 if cq < ncol and qd < nq:
-                    q = qd << 2
+                    q = ((ka + qd) << 2) - r0
                     oq = uint32(ybase + q * 33 + cq)
                     v0 = xs[oq]
                     v1 = xs[oq + 33]
@@ -1395,7 +1398,20 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                         v3 += vld(bias, uint32(r0 + q + 3))
                     _red4(y, uint32((b0 + cq) * int32(n_rows) + r0 + q), v0, v1, v2, v3)
                 u += nthreads
-            col = ncol  # done: no scalar flush
+            head = min(ka << 2, r1)  # rows [r0, head) and [tail, r1) one by one
+            tail = max(kb << 2, head)
+            e = tid
+            while P_FLUSH and e < 6 * 32:
+                cq = e & 31
+                s = e >> 5
+                rq = r0 + s if s < 3 else tail + s - 3
+                if cq < ncol and ((s < 3 and rq < head) or (s >= 3 and rq < r1)):
+                    v = xs[uint32(ybase + (rq - r0) * 33 + cq)]
+                    if with_bias:
+                        v += vld(bias, uint32(rq))
+                    cuda.atomic.add(y, uint32((b0 + cq) * int32(n_rows) + rq), v)
+                e += nthreads
+            col = ncol  # done: no other flush
         while P_FLUSH and col < ncol:
             q = rr + qa
             while q < qb:

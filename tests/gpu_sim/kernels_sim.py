@@ -312,15 +312,16 @@ def test_wide_flush_with_a_block_size_not_a_power_of_two(monkeypatch, wide_mode)
 
 
 @pytest.mark.parametrize("shape,row_blocks,quads", [
-    ((24, 40), 3, True),   # row blocks of 8 rows: 4-row quads, one 16-byte atomic each
-    ((22, 40), 3, False),  # 22 rows: the scalar flush (a quad would reach past the last row)
-    ((24, 40), 4, False),  # row blocks of 6 rows: blocks start off a multiple of 4
+    ((24, 40), 3, 6),   # row blocks of 8 rows: two 4-row quads each, one 16-byte atomic per quad
+    ((22, 40), 3, 0),   # 22 rows: the scalar flush (y's columns would not start 16-byte aligned)
+    ((24, 40), 4, 4),   # row blocks of 6 rows: one whole quad each, the other 2 rows one by one
+    ((28, 40), 5, 5),   # blocks of 6 rows, the last of 4 (rows 24-27: a quad)
 ])
 def test_wide_atomic_flush_by_quads_of_rows(monkeypatch, shape, row_blocks, quads):
     # column chunks added with atomics; B = 35: a whole batch tile and one of 3 columns (the
     # quads past the tile's columns stay out); the forward with a bias added once per element;
     # the 16-byte adds are counted (the simulator runs the kernels' Python, so the module's
-    # _red4 is the one called)
+    # _red4 is the one called): `quads` per column and chunk group over the row blocks
     from snack.gpu import kernels, ops
     calls = []
     red4 = kernels._red4
@@ -340,9 +341,8 @@ def test_wide_atomic_flush_by_quads_of_rows(monkeypatch, shape, row_blocks, quad
     G.spmm(x, t, v, out=y, bias=bias, wide=True, chunks=2, threads=64)
     ref = spmm_reference(x.double(), t.indices, v.double(), shape[0]) + bias.double()
     assert _rel(y, ref) < TOL[torch.float32]
-    assert ("atomic" in _plan_sums(t)) and (len(calls) > 0) == quads
-    if quads:  # every element once per chunk group: 2 groups x 35 columns x 24 rows / 4
-        assert len(calls) == 2 * B * shape[0] // 4 and all(int(i) % 4 == 0 for i in calls)
+    assert "atomic" in _plan_sums(t)
+    assert len(calls) == 2 * B * quads and all(int(i) % 4 == 0 for i in calls)  # 2 chunk groups
     dx = torch.full((B, shape[1]), float("nan"))
     G.spmm_t(dy, t, v, out=dx, wide=True, chunks=2, threads=64)
     assert _rel(dx, spmm_t_reference(dy.double(), t.indices, v.double(), shape[1])) < TOL[torch.float32]
@@ -480,17 +480,15 @@ def test_wide_rows_pipelined_across_long_empty_and_partial_segments(monkeypatch,
     _check_wide(wide_mode, coo, B, seed=8, wide=True, chunks=chunks, threads=64)
 
 
-@pytest.mark.parametrize("own", [False, True, "pipe"])
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("dtype,B,chunks", [(torch.float32, 35, None), (torch.float16, 40, 2)])
 def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, chunks, own):
-    # a row per group of 8 lanes (rows4, or lane-owned with own; "pipe": lane-owned with the
-    # reads software-pipelined), one warp over 17 rows: the four groups of a warp walk segments
-    # of 0, 1, 7, 8, 9, 32, 33 and 90 non-zeros side by side (rounds of 8 entries, or
-    # 8 x WIDE_OWN_PER_LANE, the last one trimmed to the longest segment), and the last round of
-    # rows has one row and three groups past the block's rows
+    # a row per group of 8 lanes (rows4, or lane-owned with own), one warp over 17 rows: the
+    # four groups of a warp walk segments of 0, 1, 7, 8, 9, 32, 33 and 90 non-zeros side by side
+    # (rounds of 8 entries, or 8 x WIDE_OWN_PER_LANE, the last one trimmed to the longest
+    # segment), and the last round of rows has one row and three groups past the block's rows
     from snack.gpu import ops
-    monkeypatch.setattr(ops, "WIDE_OWN", bool(own))
-    monkeypatch.setattr(ops, "WIDE_OWN_PIPE", own == "pipe")
+    monkeypatch.setattr(ops, "WIDE_OWN", own)
     monkeypatch.setattr(ops, "WIDE_ROWS4_BELOW", 10 ** 9)
     monkeypatch.setattr(ops, "SDDMM_ROWS4", True)
     monkeypatch.setattr(ops, "_grid_rows", lambda *args: 1)
