@@ -1034,7 +1034,10 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     lane takes per round (their loads in flight together, one round ahead).
     `probe` (timing decomposition only, results wrong): bits leave phases out, 1 the staging,
     2 the rows, 4 the output flush, 8 the lane-owned products. `vkind`: the kind of val and
-    bias, None for x's (dv and db keep x's kind).
+    bias, None for x's (dv and db keep x's kind). `red4` (sums="atomic"): the flush adds rows
+    4k .. 4k + 3 of a column with one 16-byte atomic (red.global.add.v4.f32) where y's row
+    count is a multiple of 4 and its base 16-byte aligned (the rows of a block outside whole
+    quads one by one); False: one scalar atomic per element.
     """
     return _spmm_wide_kernel(int(kind), bool(has_perm), sums, bool(has_bias), bool(idx16), bool(fused),
                              bool(with_db), bool(rows4), bool(own), int(threads), int(per_lane), int(probe),
