@@ -1046,7 +1046,7 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
 
 @functools.lru_cache(maxsize=None)
 def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, rows4, own, threads, per_lane,
-                      probe, vkind, red4=True):
+                      probe, vkind, red4):
     """make_spmm_wide_kernel, cached on its arguments however they were passed."""
     if own and (fused or rows4):
         raise ValueError("own is a variant of the plain SpMMs, without fused or rows4")

@@ -432,9 +432,9 @@ WIDE_OWN: Optional[bool] = None
 WIDE_OWN_THREADS = 512
 WIDE_OWN_PER_LANE = 4
 WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_THREADS)
-# The wide SpMMs' atomic flush adds 4 rows of a column with one 16-byte reduction
-# (red.global.add.v4.f32) where the rows, the block's first row and y's base allow (multiples of
-# 4, 16-byte aligned); False: one scalar atomic per element.
+# The wide SpMMs' and the fused backward's atomic flush adds rows 4k .. 4k + 3 of a column with
+# one 16-byte reduction (red.global.add.v4.f32) where y's row count is a multiple of 4 and its
+# base 16-byte aligned; False: one scalar atomic per element (for A/B runs).
 WIDE_RED4 = True
 
 # The gathering SpMMs (kernels.make_spmm_gather_kernel): x goes in as transposed batch tiles of
@@ -1083,7 +1083,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     if fuses_backward(batch, topo, fused) and n_in > 0:
         mode = _sum_mode()
         plan = _cached_plan(topo, ("fused_plan", batch, kind, threads, chunks, split, bool(bias_grad), mode,
-                                   CLUSTER_SUMS),
+                                   CLUSTER_SUMS, WIDE_RED4),
                             _build_fused_plan, batch, kind, topo.device, threads, chunks, split, bool(bias_grad),
                             mode)
     if plan is None:
@@ -1122,7 +1122,7 @@ def _build_fused_plan(topo, batch, kind, device, threads, chunks, split, with_db
 
     def make(sums):
         return kernels.make_spmm_wide_kernel(kind, True, sums, False, idx.dtype == torch.uint16, True, with_db,
-                                             vkind=vkind)
+                                             vkind=vkind, red4=WIDE_RED4)
     kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
         make, mode, wp, 1, n_rows, threads, device, _wide_dtypes(kind, vkind, idx.dtype, fused=True))
     return BoundLaunch(kern, (nsplit, 1, gy), threads, smem,
