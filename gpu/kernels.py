@@ -981,7 +981,7 @@ def _make_stage_quad(ld, plain=False):
 def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None, has_bias: bool = False,
                           idx16: bool = False, fused: bool = False, with_db: bool = False,
                           rows4: bool = False, own: bool = False, threads: int = 1024, per_lane: int = 4,
-                          probe: int = 0, vkind: Optional[int] = None, red4: bool = True):
+                          probe: int = 0, vkind: Optional[int] = None, red4: bool = True, order: bool = False):
     """Y = X W^T (+ bias) for 32-column batch tiles and column chunks (see the comment above).
 
     Signature: (x, seg, idx, val, perm, y, bias, xf, dv, db, n_rows, n_cols, batch, nch, cw,
@@ -1038,16 +1038,26 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     4k .. 4k + 3 of a column with one 16-byte atomic (red.global.add.v4.f32) where y's row
     count is a multiple of 4 and its base 16-byte aligned (the rows of a block outside whole
     quads one by one); False: one scalar atomic per element.
+    `order` (`rows4` or `own`): the groups take the rows of a row block in an order given per
+    (column chunk, row block) instead of rows r0 + 4 (w + m nwarps) + g. seg then holds, after its
+    n_rows * nch + 1 segment starts, a table of nch x gridDim.z x P rows (P = rows_per_block
+    rounded up to a multiple of 4; entry (ch, z, p) = the row that block z's position p takes in
+    chunk ch, a row of that row block, each once, or -1 for none). Group g of warp w takes
+    positions 4 (w + m nwarps) + g, m = 0, 1, ...; a table that puts rows of similar segment
+    lengths in the same warp and spreads the long ones over the warps (ops._seg_order) cuts what
+    the warps' lock-step and the block's slowest warp cost.
     """
     return _spmm_wide_kernel(int(kind), bool(has_perm), sums, bool(has_bias), bool(idx16), bool(fused),
                              bool(with_db), bool(rows4), bool(own), int(threads), int(per_lane), int(probe),
-                             _vkind(kind, vkind), bool(red4))
+                             _vkind(kind, vkind), bool(red4), bool(order))
 
 
 @functools.lru_cache(maxsize=None)
 def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, rows4, own, threads, per_lane,
-                      probe, vkind, red4):
+                      probe, vkind, red4, order):
     """make_spmm_wide_kernel, cached on its arguments however they were passed."""
+    if order and not (rows4 or own):
+        raise ValueError("order is an option of the rows4 and own variants")
     if own and (fused or rows4):
         raise ValueError("own is a variant of the plain SpMMs, without fused or rows4")
     if fused and (not has_perm or has_bias):
@@ -1069,6 +1079,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     OWN = own
     U = per_lane if own else 1
     ROWG = rows4 or own  # a row per group of 8 lanes
+    ORDER = order
     V4 = ATOMIC and red4  # the atomic flush by 16-byte reductions where y allows
     P_STAGE = (probe & 1) == 0
     P_ROWS = (probe & 2) == 0
@@ -1076,6 +1087,15 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     P_FMA = (probe & 8) == 0
     stage = _make_stage_quad(ld, plain=own)
     col4 = _make_col4(ld)
+
+    @_inlined
+    def row_at(seg, ob, p, pw):
+        """(order) the row at position p of the block's table (starting at seg[ob]), -1 past
+        its pw positions or where the table has none."""
+        ra = int32(-1)
+        if p < pw:
+            ra = int32(seg[uint32(ob + p)])
+        return ra
 
     @_inlined
     def load_nz(idx, val, perm, k, end, c0):
@@ -1136,7 +1156,16 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
             # are requested before the staging; the next row's bounds when a row starts, and
             # its first non-zeros with the row's last step (one stream of steps across the rows)
             r = int32(r0 + 4 * (tid >> 5) + g) if ROWG else int32(r0 + (tid >> 5))
-            s0, s1 = _bounds(seg, r * nch + ch, r < r1)
+            if ORDER:  # r: a position; ra: its row
+                pw = int32((rows_per_block + 3) & -4)
+                rend = int32(r0 + pw)
+                ob = int32(n_rows * nch + 1) + (int32(ch) * int32(cuda.gridDim.z) + int32(cuda.blockIdx.z)) * pw
+                ra = row_at(seg, ob, int32(r - r0), pw)
+                s0, s1 = _bounds(seg, ra * nch + ch, ra >= 0)
+            else:
+                rend = r1
+                ra = r
+                s0, s1 = _bounds(seg, r * nch + ch, r < r1)
             if OWN:
                 for u in range(U):
                     crs[u], vas[u] = load_nz(idx, val, perm, int32(s0 + kq + 8 * u), s1, c0)
@@ -1157,9 +1186,14 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                         tb += xs[uint32((cl << 5) | ((cl + i) & 31))]
                     db[uint32(c0 + cl)] = cv(tb)
                     cl += nthreads
-            while P_ROWS and (r - g if ROWG else r) < r1:  # (ROWG: the warp's first row of the four)
+            while P_ROWS and (r - g if ROWG else r) < rend:  # (ROWG: the warp's first row of the four)
                 rn = int32(r + (4 * nwarps if ROWG else nwarps))
-                ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
+                if ORDER:
+                    rna = row_at(seg, ob, int32(rn - r0), pw)
+                    ns0, ns1 = _bounds(seg, rna * nch + ch, rna >= 0)
+                else:
+                    rna = rn
+                    ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
                 a0 = float32(0.0)
                 a1 = float32(0.0)
                 a2 = float32(0.0)
@@ -1281,13 +1315,13 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                         base = nb
                 if s0 < s1:
                     if OWN:  # batch columns 4kq .. 4kq + 3 of the group's own row
-                        o = uint32(ybase + (r - r0) * 33 + k4)
+                        o = uint32(ybase + (ra - r0) * 33 + k4)
                         xs[o] += acc[0]
                         xs[o + 1] += acc[1]
                         xs[o + 2] += acc[2]
                         xs[o + 3] += acc[3]
                     elif ROWS4:  # the group's own row: each lane adds its 4 batch columns
-                        o = uint32(ybase + (r - r0) * 33 + k4)
+                        o = uint32(ybase + (ra - r0) * 33 + k4)
                         xs[o] += a0
                         xs[o + 1] += a1
                         xs[o + 2] += a2
@@ -1315,6 +1349,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                 s0 = ns0
                 s1 = ns1
                 r = rn
+                ra = rna
         cuda.syncthreads()
         # flush the output tile, consecutive threads on consecutive rows (coalesced): rows are
         # padded to a power of two, 2^sh >= nr, so that (col, row) = (tid >> sh, tid & mask)
@@ -1436,7 +1471,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     spmm_wide.__name__ = (f"snack_spmm_wide_{KINDS[kind]}{'_perm' if has_perm else ''}"
                           f"{'_' + sums if sums else ''}{'_bias' if has_bias else ''}"
                           f"{'_idx16' if idx16 else ''}{'_fused' if fused else ''}{'_db' if with_db else ''}"
-                          f"{'_rows4' if rows4 else ''}{'_own' if own else ''}"
+                          f"{'_rows4' if rows4 else ''}{'_own' if own else ''}{'_ord' if order else ''}"
                           f"{'' if threads == 1024 else f'_t{threads}'}{f'_u{per_lane}' if own else ''}"
                           f"{'' if red4 or not ATOMIC else '_red1'}{f'_probe{probe}' if probe else ''}{_vkind_suffix(vkind)}")
     return _jit(spmm_wide, launch_bounds=(threads,))

@@ -272,6 +272,47 @@ def _seg(topo: Topology, transposed: bool, nch: int, cw: int) -> torch.Tensor:
     return seg
 
 
+def _snake_slots(n_sets: int, nwarps: int) -> list:
+    """The slots (a warp's m-th set of 4 positions is slot w + m * nwarps) in the order that deals
+    sets to warps as a snake: warps 0, 1, .., nwarps - 1, then nwarps - 1, .., 0, and so on."""
+    slots = []
+    for m in range(-(-n_sets // nwarps)):
+        for w in (range(nwarps) if m % 2 == 0 else reversed(range(nwarps))):
+            if w + m * nwarps < n_sets:
+                slots.append(w + m * nwarps)
+    return slots
+
+
+def _seg_order(topo: Topology, transposed: bool, nch: int, cw: int, gy: int, rpb: int, nwarps: int) -> torch.Tensor:
+    """int32: `_seg` followed by the row order of the wide kernels built with order=True
+    (kernels.make_spmm_wide_kernel), for gy row blocks of rpb rows and blocks of nwarps warps.
+    In each (column chunk, row block) the rows are sorted by segment length, longest first, cut
+    into sets of 4 (a warp's four groups then walk segments of about the same length in
+    lock-step), and the sets are dealt to the warps' slots as a snake (the longest sets spread
+    over the warps, each warp's total about the same)."""
+    key = ("seg_order", transposed, nch, cw, gy, rpb, nwarps)
+    out = topo.cache.get(key)
+    if out is None:
+        seg = _seg(topo, transposed, nch, cw)
+        n_rows = (seg.numel() - 1) // nch
+        pw = -(-rpb // 4) * 4
+        dev = seg.device
+        j = torch.arange(pw, device=dev)
+        rows = torch.arange(gy, device=dev)[:, None] * rpb + j  # (gy, pw): the block's rows
+        valid = (j < rpb) & (rows < n_rows)
+        rows = torch.where(valid, rows, torch.full_like(rows, -1))
+        lens = seg.diff().to(torch.int64).view(n_rows, nch).t()  # (nch, n_rows)
+        lt = torch.where(valid, lens[:, rows.clamp(min=0)], torch.full((), -1, device=dev, dtype=torch.int64))
+        by_len = torch.sort(lt, dim=2, descending=True, stable=True).indices  # (nch, gy, pw)
+        ordered = rows.expand(nch, gy, pw).gather(2, by_len).view(nch, gy, pw // 4, 4)
+        slots = torch.tensor(_snake_slots(pw // 4, nwarps), device=dev)
+        table = torch.empty_like(ordered)
+        table[:, :, slots] = ordered  # sorted set k goes to slot slots[k]
+        out = torch.cat([seg, table.reshape(-1).to(torch.int32)])
+        topo.cache[key] = out
+    return out
+
+
 # The transposed SpMM's index (the row of each entry in column-major order) as uint16 when W
 # has at most this many rows: 2 bytes per connection instead of 4 (4096 x 4096 at 90 %: 3.4 MB);
 # and at most IDX16_MAX_DENSITY of its entries are non-zero: on dense-ish matrices the tiled
@@ -320,6 +361,7 @@ def _perm32(topo: Topology) -> torch.Tensor:
 # captured CUDA graph replays the new pattern): the arrays these ops cache are rebuilt, the launch
 # plans kept (they depend only on the shape and nnz and hold the arrays by address).
 REBUILD.update({"seg": lambda t, key: _seg(t, *key[1:]),
+                "seg_order": lambda t, key: _seg_order(t, *key[1:]),
                 "rows_by_col_u16": lambda t, key: _rows_by_col(t),
                 "col_perm_i32": lambda t, key: _perm32(t),
                 "spmm_plan": None, "sddmm_plan": None, "fused_plan": None})
@@ -401,7 +443,8 @@ def _spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, chunks,
     mode = _sum_mode()
     return _cached_plan(topo, ("spmm_plan", transposed, batch, kind, bt, threads, wide, chunks, split, has_bias, mode,
                                CLUSTER_SUMS,
-                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_RED4, WIDE_ROWS4_BELOW, WIDE_PROBE,
+                               WIDE_OWN, WIDE_OWN_THREADS, WIDE_OWN_PER_LANE, WIDE_OWN_BOUND, WIDE_RED4, WIDE_ORDER,
+                               WIDE_ROWS4_BELOW, WIDE_PROBE,
                                WIDE_GATHER, GATHER_PREFETCH, GATHER_MIN_BLOCKS),
                         _build_spmm_plan, transposed, batch, kind, device, bt, threads, wide, chunks, split,
                         has_bias, mode)
@@ -436,6 +479,15 @@ WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_TH
 # one 16-byte reduction (red.global.add.v4.f32) where y's row count is a multiple of 4 and its
 # base 16-byte aligned; False: one scalar atomic per element (for A/B runs).
 WIDE_RED4 = True
+# The forward's wide SpMMs whose groups of 8 lanes each take a row (own, rows4) take a row block's
+# rows longest segment first, in sets of 4 dealt to the warps as a snake (`_seg_order`), instead
+# of in index order; False: in index order (for A/B runs). Measured on an H100 (4096 x 4096, graph
+# medians, forward, index order -> this order, us): 90 %, B = 64 28.40 -> 27.74, B = 128 49.04 ->
+# 47.82; 95 %, B = 128 32.78 -> 32.07; B = 32 within 0.1 (90 % 17.44 -> 17.31, 95 % 13.32 ->
+# 13.39); 97 %, B = 128 (rows4) 26.06 -> 26.03. The transposed SpMM keeps index order: its
+# lane-owned variant (WIDE_OWN = True) was slower in this order (90 %, B = 64 34.00 -> 35.31,
+# B = 128 78.60 -> 81.05) and rows4 unchanged.
+WIDE_ORDER = True
 
 # The gathering SpMMs (kernels.make_spmm_gather_kernel): x goes in as transposed batch tiles of
 # its dtype (one more launch, kernels.make_tiles_t_kernel) and each non-zero reads its column's
@@ -604,17 +656,20 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
             rows4 = not own and _short_segments(topo, n_rows, nch)  # a row per lane group
+            order = WIDE_ORDER and (own or rows4) and not transposed
 
             def make(sums):
                 return kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,
                                                      own=own, threads=bound, per_lane=WIDE_OWN_PER_LANE,
-                                                     probe=WIDE_PROBE, vkind=vkind, red4=WIDE_RED4)
+                                                     probe=WIDE_PROBE, vkind=vkind, red4=WIDE_RED4, order=order)
             kern, sums, gy, rpb, smem = _wide_kernel_and_sums(
                 make, mode, wp, ntiles, n_rows, wthreads, device,
                 _wide_dtypes(kind, vkind, idx.dtype, fused=False))
             d = _kind_dummy(device, kind)  # the fused backward's arrays, unread here
+            seg = (_seg_order(topo, transposed, nch, cw, gy, rpb, wthreads // 32) if order
+                   else _seg(topo, transposed, nch, cw))
             return _spmm_launch(kern, (nsplit, ntiles, gy), wthreads, smem,
-                                [_seg(topo, transposed, nch, cw), idx, third],
+                                [seg, idx, third],
                                 [n_rows, n_cols, batch, nch, cw, rpb, cps], sums, [d, d, d])
     tile, smem = choose_tile(batch, n_cols, device, bt)
     if tile is None:

@@ -78,7 +78,8 @@ def variants():
         for perm, bias in ((False, False), (True, False), (False, True)):
             for sums in SPMM_SUMS:
                 for rows4, own in _WIDE_MODES:
-                    d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own, threads=_threads(own),
+                    d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own, order=rows4 or own,
+                                                      threads=_threads(own),
                                                       per_lane=_per_lane())
                     yel = "float32" if _fp32_sums(sums) else el
                     out.append((d.py_func.__name__, d,
@@ -98,7 +99,7 @@ def variants():
             for sums in SPMM_SUMS:
                 for rows4, own in _WIDE_MODES:
                     d = kernels.make_spmm_wide_kernel(kind, True, sums, False, True, rows4=rows4, own=own,
-                                                      threads=_threads(own), per_lane=_per_lane())
+                                                      order=rows4 or own, threads=_threads(own), per_lane=_per_lane())
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "uint16", el, "int32", "float32" if _fp32_sums(sums) else el, el,
                                       el, el, el], 7)))
@@ -125,7 +126,7 @@ def variants():
                 for sums in SPMM_SUMS:
                     for rows4, own in _WIDE_MODES:
                         d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own,
-                                                          threads=_threads(own), per_lane=_per_lane(), vkind=0)
+                                                          order=rows4 or own, threads=_threads(own), per_lane=_per_lane(), vkind=0)
                         out.append((d.py_func.__name__, d,
                                     _sig([el, "int32", "int32", "float32", "int32", "float32" if _fp32_sums(sums) else el, vb,
                                           el, el, el], 7)))

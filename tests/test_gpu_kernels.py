@@ -89,6 +89,23 @@ def test_wide_modes_on_short_and_long_segments(mode, B, chunks, dtype, gen):
         _run_all(coo, B, dtype, gen, wide=True, chunks=chunks)
 
 
+@pytest.mark.parametrize("order", [True, False])
+@pytest.mark.parametrize("mode,density,B", [("own", 0.1, 32), ("own", 0.05, 64), ("rows4", 0.02, 128)])
+def test_wide_rows_in_length_order_or_index_order(monkeypatch, order, mode, density, B, gen):
+    # the forward's groups of 8 lanes take a row block's rows longest segment first
+    # (ops.WIDE_ORDER, the default) or in index order, 4096 x 4096, with the row lengths of a
+    # random pattern; the transposed SpMM in index order either way
+    from snack.gpu import ops
+    from snack.core import COO
+    monkeypatch.setattr(ops, "WIDE_ORDER", order)
+    coo = COO.random((4096, 4096), density=density, generator=gen, device="cuda")
+    with ops.wide_mode(mode, sddmm=True):
+        _run_all(coo, B, torch.float32, gen, wide=True)
+    names = {key[1]: plan[0].dispatcher.py_func.__name__ for key, plan in coo.topology.cache.items()
+             if isinstance(key, tuple) and key[0] == "spmm_plan" and plan is not None}
+    assert ("_ord" in names[False]) == order and "_ord" not in names[True], names  # the forward only
+
+
 @pytest.mark.parametrize("B,chunks,split,dtype", [
     (32, 4, 1, torch.float32), (64, 4, 2, torch.float32), (100, 3, None, torch.float32),
     (17, 2, 1, torch.float32), (40, 3, 3, torch.float16), (33, 2, 2, torch.bfloat16),

@@ -336,3 +336,42 @@ def test_gathering_spmm_chosen_for_very_sparse_w_from_b32(h200):
                                                                    ops.GATHER_MIN_BLOCKS, 0, None)
         assert bound.grid == (-(-n_rows // kernels.GATHER_ROWS), 2, 1) and bound.block == 256
         assert bound.tiles_transposed.grid == (-(-(700 - n_rows) // kernels.WIDE), 2, 1)
+
+
+@pytest.mark.parametrize("n_sets,nwarps", [(32, 16), (31, 16), (5, 2), (7, 3), (1, 4)])
+def test_snake_slots_deal_every_set_once(n_sets, nwarps):
+    slots = ops._snake_slots(n_sets, nwarps)
+    assert sorted(slots) == list(range(n_sets))
+    # the first nwarps sets (the longest) go one to each warp, the next ones back in reverse
+    assert [s % nwarps for s in slots[:nwarps]] == list(range(min(nwarps, n_sets)))
+    if n_sets >= 2 * nwarps:
+        assert [s % nwarps for s in slots[nwarps:2 * nwarps]] == list(reversed(range(nwarps)))
+
+
+@pytest.mark.parametrize("shape,nch,gy,rpb,nwarps", [((50, 70), 2, 3, 17, 2), ((13, 9), 1, 2, 7, 1),
+                                                     ((40, 64), 4, 1, 40, 4)])
+def test_seg_order_sorts_each_row_block_by_segment_length(shape, nch, gy, rpb, nwarps):
+    # the table after the segment starts: per (chunk, row block) each of the block's rows once
+    # (-1 elsewhere), sets of 4 positions (a warp's four groups), dealt longest first as a snake
+    import torch
+    from snack.core import COO
+    coo = COO.random(shape, density=0.3, seed=sum(shape))
+    cw = -(-shape[1] // nch)
+    seg = ops._seg(coo.topology, False, nch, cw)
+    table = ops._seg_order(coo.topology, False, nch, cw, gy, rpb, nwarps)
+    n = shape[0] * nch + 1
+    assert table.dtype == torch.int32 and torch.equal(table[:n], seg)
+    pw = -(-rpb // 4) * 4
+    t = table[n:].view(nch, gy, pw)
+    lens = seg.diff().view(shape[0], nch)
+    slots = ops._snake_slots(pw // 4, nwarps)
+    for ch in range(nch):
+        for z in range(gy):
+            rows = t[ch, z]
+            own = list(range(z * rpb, min((z + 1) * rpb, shape[0])))
+            assert sorted(r for r in rows.tolist() if r >= 0) == own
+            assert (rows < 0).sum().item() == pw - len(own)
+            by_slot = rows.view(-1, 4)[slots].reshape(-1)  # the sets in the order they were dealt
+            got = [lens[r, ch].item() if r >= 0 else -1 for r in by_slot.tolist()]
+            assert got == sorted(got, reverse=True)
+    assert ops._seg_order(coo.topology, False, nch, cw, gy, rpb, nwarps) is table  # cached

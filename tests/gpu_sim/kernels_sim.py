@@ -502,6 +502,37 @@ def test_wide_rows4_groups_with_segments_of_every_length(monkeypatch, dtype, B, 
     _check(coo, B, dtype, seed=4, wide=True, chunks=chunks, threads=32)
 
 
+@pytest.mark.parametrize("order", [True, False])
+@pytest.mark.parametrize("mode", ["rows4", "own"])
+def test_wide_rows_taken_longest_first(monkeypatch, mode, order):
+    # the forward's groups of 8 lanes take a row block's rows longest segment first
+    # (ops._seg_order: a different order in each column chunk; the transposed SpMM keeps index
+    # order) or in index order: two row blocks of 7 rows (the
+    # second one 6, so a position of its table is empty), 2 warps, 2 chunks, rows of 0-40
+    # non-zeros per chunk, B = 35 (a partial batch tile)
+    from snack.gpu import ops
+    monkeypatch.setattr(ops, "WIDE_ORDER", order)
+    monkeypatch.setattr(ops, "_grid_rows", lambda *args, **kw: 2)
+    g = torch.Generator().manual_seed(11)
+    lengths = [(40, 0), (0, 3), (5, 40), (17, 17), (1, 0), (33, 9), (0, 0),
+               (8, 31), (26, 2), (0, 40), (12, 12), (39, 1), (2, 25)]
+    mask = torch.zeros(len(lengths), 80, dtype=torch.bool)
+    for r, (a, b) in enumerate(lengths):
+        mask[r, torch.randperm(40, generator=g)[:a]] = True
+        mask[r, 40 + torch.randperm(40, generator=g)[:b]] = True
+    idx = mask.nonzero().T.to(torch.int32)
+    coo = COO(idx, torch.randn(idx.shape[1], generator=g), tuple(mask.shape))
+    with ops.wide_mode(mode):
+        _check_spmm(coo, 35, seed=12, wide=True, chunks=2, threads=64)
+        y = G.spmm(torch.randn(35, 80, generator=g), coo.topology, coo.values, wide=True, chunks=2, threads=64,
+                   bias=torch.randn(13, generator=g))
+        assert torch.isfinite(y).all()
+    names = {key[1]: plan[0].dispatcher.py_func.__name__ for key, plan in coo.topology.cache.items()
+             if isinstance(key, tuple) and key[0] == "spmm_plan" and plan is not None}
+    assert ("_ord" in names[False]) == order and "_ord" not in names[True], names  # the forward only
+    assert any(isinstance(k, tuple) and k[0] == "seg_order" for k in coo.topology.cache) == order
+
+
 @pytest.mark.parametrize("B", [9, 33])  # B = 33: the SDDMM's tiles add up in fp32 atomics
 def test_wide_kernels_bfloat16_with_chunks(B):
     coo = COO.random((3, 17), density=0.4, seed=9)
