@@ -479,14 +479,16 @@ WIDE_OWN_BOUND = None  # the launch bound it is compiled with (None: WIDE_OWN_TH
 # one 16-byte reduction (red.global.add.v4.f32) where y's row count is a multiple of 4 and its
 # base 16-byte aligned; False: one scalar atomic per element (for A/B runs).
 WIDE_RED4 = True
-# The forward's wide SpMMs whose groups of 8 lanes each take a row (own, rows4) take a row block's
-# rows longest segment first, in sets of 4 dealt to the warps as a snake (`_seg_order`), instead
-# of in index order; False: in index order (for A/B runs). Measured on an H100 (4096 x 4096, graph
-# medians, forward, index order -> this order, us): 90 %, B = 64 28.40 -> 27.74, B = 128 49.04 ->
-# 47.82; 95 %, B = 128 32.78 -> 32.07; B = 32 within 0.1 (90 % 17.44 -> 17.31, 95 % 13.32 ->
-# 13.39); 97 %, B = 128 (rows4) 26.06 -> 26.03. The transposed SpMM keeps index order: its
-# lane-owned variant (WIDE_OWN = True) was slower in this order (90 %, B = 64 34.00 -> 35.31,
-# B = 128 78.60 -> 81.05) and rows4 unchanged.
+# From two batch tiles on (B > 32), the forward's wide SpMMs whose groups of 8 lanes each take a
+# row (own, rows4) take a row block's rows longest segment first, in sets of 4 dealt to the warps
+# as a snake (`_seg_order`), instead of in index order; False: in index order everywhere (for A/B
+# runs). Measured on an H100 (4096 x 4096, graph medians of 3 rounds, forward, index order ->
+# this order, us; default mode / WIDE_OWN = True): 90 %, B = 64 28.40 -> 27.74 / 28.45 -> 27.92,
+# B = 128 49.04 -> 47.82 / 48.97 -> 48.07; 95 %, B = 128 32.78 -> 32.07 / 32.65 -> 32.18; 97 %,
+# B = 128 (rows4) 26.06 -> 26.03. At B = 32 no gain (90 % 17.44 -> 17.31 / 17.37 -> 17.39, 95 %
+# 13.32 -> 13.39 / 13.26 -> 13.43): index order there. The transposed SpMM keeps index order: its
+# lane-owned variant was slower in this order (90 %, B = 64 34.00 -> 35.31, B = 128 78.60 ->
+# 81.05) and rows4 unchanged.
 WIDE_ORDER = True
 
 # The gathering SpMMs (kernels.make_spmm_gather_kernel): x goes in as transposed batch tiles of
@@ -656,7 +658,7 @@ def _build_spmm_plan(topo, transposed, batch, kind, device, bt, threads, wide, c
             nch, cw, cps, nsplit, gy, rpb, smem = wp
             ntiles = -(-batch // kernels.WIDE)
             rows4 = not own and _short_segments(topo, n_rows, nch)  # a row per lane group
-            order = WIDE_ORDER and (own or rows4) and not transposed
+            order = WIDE_ORDER and (own or rows4) and not transposed and batch > kernels.WIDE
 
             def make(sums):
                 return kernels.make_spmm_wide_kernel(kind, perm is not None, sums, has_bias, idx16, rows4=rows4,

@@ -509,7 +509,8 @@ def test_wide_rows_taken_longest_first(monkeypatch, mode, order):
     # (ops._seg_order: a different order in each column chunk; the transposed SpMM keeps index
     # order) or in index order: two row blocks of 7 rows (the
     # second one 6, so a position of its table is empty), 2 warps, 2 chunks, rows of 0-40
-    # non-zeros per chunk, B = 35 (a partial batch tile)
+    # non-zeros per chunk, B = 35 (two batch tiles, the second partial; at B <= 32, one tile,
+    # index order whatever WIDE_ORDER says)
     from snack.gpu import ops
     monkeypatch.setattr(ops, "WIDE_ORDER", order)
     monkeypatch.setattr(ops, "_grid_rows", lambda *args, **kw: 2)
@@ -530,6 +531,11 @@ def test_wide_rows_taken_longest_first(monkeypatch, mode, order):
     names = {key[1]: plan[0].dispatcher.py_func.__name__ for key, plan in coo.topology.cache.items()
              if isinstance(key, tuple) and key[0] == "spmm_plan" and plan is not None}
     assert ("_ord" in names[False]) == order and "_ord" not in names[True], names  # the forward only
+    with ops.wide_mode(mode):
+        one_tile = G.spmm(torch.randn(32, 80, generator=g), coo.topology, coo.values, wide=True, chunks=2, threads=64)
+    assert torch.isfinite(one_tile).all()
+    assert not any("_ord" in plan[0].dispatcher.py_func.__name__ for key, plan in coo.topology.cache.items()
+                   if isinstance(key, tuple) and key[0] == "spmm_plan" and key[2] == 32)
     assert any(isinstance(k, tuple) and k[0] == "seg_order" for k in coo.topology.cache) == order
 
 
