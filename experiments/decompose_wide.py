@@ -3,8 +3,9 @@
 At one shape, for each sparsity and batch size, times (CUDA-graph replay, median, us) the forward
 `snack.gpu.spmm` on the 32-wide kernels as they run by default, then with the phases named by
 `snack.gpu.ops.WIDE_PROBE`'s bits left out (the results are then wrong, and are not checked):
-staging of the X chunk, the rows, the output flush, the lane-owned products, and all three
-(an empty launch with the same grid and shared memory). Each setting is timed with and without
+staging of the X chunk, the rows, the output flush, the lane-owned products, their shared-memory
+reads alone (the FMAs kept, on a value made from each entry's column), and staging, rows and flush
+together (an empty launch with the same grid and shared memory). Each setting is timed with and without
 the memset that zeroes the output before the kernel adds its column chunks' partial rows
 (without it the outputs are wrong too). The default's result is checked against a float64 dense
 product first.
@@ -29,7 +30,8 @@ from experiments.results_io import write_csv  # noqa: E402
 
 # (name, probe bits): see snack.gpu.kernels.make_spmm_wide_kernel(probe=)
 SETTINGS = [("full", 0), ("no staging", 1), ("no rows", 2), ("no flush", 4), ("no products", 8),
-            ("staging only", 2 | 4), ("rows only", 1 | 4), ("empty", 1 | 2 | 4)]
+            ("no product reads", 16), ("staging only", 2 | 4), ("rows only", 1 | 4),
+            ("rows only, no product reads", 1 | 4 | 16), ("empty", 1 | 2 | 4)]
 
 
 def main(argv=None):

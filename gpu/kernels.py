@@ -1033,7 +1033,8 @@ def make_spmm_wide_kernel(kind: int, has_perm: bool, sums: Optional[str] = None,
     the kernel is compiled for: 64 registers at 1024, 128 at 512); `per_lane` (own): entries each
     lane takes per round (their loads in flight together, one round ahead).
     `probe` (timing decomposition only, results wrong): bits leave phases out, 1 the staging,
-    2 the rows, 4 the output flush, 8 the lane-owned products. `vkind`: the kind of val and
+    2 the rows, 4 the output flush, 8 the lane-owned products, 16 the lane-owned products'
+    shared-memory reads (their FMAs kept, on a value made from the entry's column). `vkind`: the kind of val and
     bias, None for x's (dv and db keep x's kind). `red4` (sums="atomic"): the flush adds rows
     4k .. 4k + 3 of a column with one 16-byte atomic (red.global.add.v4.f32) where y's row
     count is a multiple of 4 and its base 16-byte aligned (the rows of a block outside whole
@@ -1085,6 +1086,7 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
     P_ROWS = (probe & 2) == 0
     P_FLUSH = (probe & 4) == 0
     P_FMA = (probe & 8) == 0
+    P_READS = (probe & 16) == 0
     stage = _make_stage_quad(ld, plain=own)
     col4 = _make_col4(ld)
 
@@ -1223,12 +1225,17 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                             if P_FMA and (u == 0 or t + int32(8 * u) < n):  # warp-uniform
                                 ca = ccur[u]
                                 vc = vcur[u]
-                                for i in range(8):
-                                    p = uint32((ca ^ (i << 2)) & -4)  # chunk i ^ kq: a multiple of 4
-                                    acc[4 * i] += vc * xs[p]
-                                    acc[4 * i + 1] += vc * xs[p + 1]
-                                    acc[4 * i + 2] += vc * xs[p + 2]
-                                    acc[4 * i + 3] += vc * xs[p + 3]
+                                if P_READS:
+                                    for i in range(8):
+                                        p = uint32((ca ^ (i << 2)) & -4)  # chunk i ^ kq: a multiple of 4
+                                        acc[4 * i] += vc * xs[p]
+                                        acc[4 * i + 1] += vc * xs[p + 1]
+                                        acc[4 * i + 2] += vc * xs[p + 2]
+                                        acc[4 * i + 3] += vc * xs[p + 3]
+                                else:  # (probe 16) the products without their shared-memory reads
+                                    fa = float32(ca)
+                                    for j in range(32):
+                                        acc[j] += vc * fa
                         t = int32(t + int32(8 * U))
                     if n > 0:  # warp-uniform: every lane takes part in the shuffles
                         # lane kq holds chunk c in acc chunk c ^ kq; its partner kq ^ 4 holds it in

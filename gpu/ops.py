@@ -523,7 +523,8 @@ GATHER_MAX_DENSITY_HALF = 0.035
 
 # Timing decomposition only (results are wrong when set): the 32-wide SpMMs are built with
 # kernels.make_spmm_wide_kernel(probe=WIDE_PROBE), which leaves out the phases its bits name
-# (1 staging, 2 rows, 4 output flush, 8 the lane-owned products). experiments/decompose_wide.py.
+# (1 staging, 2 rows, 4 output flush, 8 the lane-owned products, 16 their shared-memory reads).
+# experiments/decompose_wide.py.
 WIDE_PROBE = 0
 
 

@@ -403,6 +403,12 @@ def test_wide_probe_leaves_phases_out_and_is_part_of_the_plan(monkeypatch):
         y = torch.full((32, 6), float("nan"))
         G.spmm(x, coo.topology, coo.values, out=y, wide=True, chunks=1)
         assert check(y), probe
+    # 16 (lane-owned products without their shared-memory reads): every element written, not the product
+    monkeypatch.setattr(ops, "WIDE_PROBE", 16)
+    with ops.wide_mode("own"):
+        y = torch.full((32, 6), float("nan"))
+        G.spmm(x, coo.topology, coo.values, out=y, wide=True, chunks=1)
+    assert torch.isfinite(y).all() and _rel(y, ref) > 0.1
 
 
 def _check_spmm(coo, B, seed, **kw):
