@@ -375,3 +375,18 @@ def test_seg_order_sorts_each_row_block_by_segment_length(shape, nch, gy, rpb, n
             got = [lens[r, ch].item() if r >= 0 else -1 for r in by_slot.tolist()]
             assert got == sorted(got, reverse=True)
     assert ops._seg_order(coo.topology, False, nch, cw, gy, rpb, nwarps) is table  # cached
+
+
+def test_seg_order_follows_a_refreshed_pattern_in_place():
+    # a topology whose pattern changes in place (DST under a captured graph): the row order's
+    # table is rebuilt for the new pattern into the same tensor
+    import torch
+    from snack.core import COO
+    a = COO.random((30, 40), density=0.3, seed=1).topology
+    b = COO.random((30, 40), density=0.3, seed=2).topology
+    assert a.nnz == b.nnz
+    table = ops._seg_order(a, False, 2, 20, 2, 15, 2)
+    ptr = table.data_ptr()
+    assert a.refresh_from(b)
+    assert a.cache[("seg_order", False, 2, 20, 2, 15, 2)].data_ptr() == ptr
+    assert torch.equal(table, ops._seg_order(b, False, 2, 20, 2, 15, 2))
