@@ -5,9 +5,8 @@ The autograd Function builds every gradient from the same three backend ops:
     backward  dX = spmm_t(dY, W)      dv = sddmm(dY, X, W)      db = sum_b dY
 (on the GPU db comes from the SDDMM's launch, which reads dY anyway; a GEMV when only db is wanted;
 where the GPU backend fuses the backward (9 <= B <= 32 on matrices up to 25% dense:
-`snack.gpu.fuses_backward`) dX, dv and db come from one launch in eager calls, while under
-CUDA-graph capture dX and the SDDMM are two branches of the graph (`CAPTURED_TWO_BRANCHES`); the
-CPU backend's one call from B = 2 copies dY into its tiles once for both)
+`snack.gpu.fuses_backward`) dX, dv and db come from one launch; the CPU backend's one call from
+B = 2 copies dY into its tiles once for both)
 so nothing of the dense weight's size (out x in) is allocated, in forward or in backward.
 Higher orders: when the backward is itself differentiated (create_graph=True: gradient penalties,
 Hessian-vector products) or a torch.func transform runs, dX and dv come from the Functions
@@ -229,30 +228,16 @@ def _differentiable_gradients(dy, x, values, topo, need_dx: bool, need_dv: bool,
     return dx, dv, db
 
 
-# Under CUDA-graph capture the backward is two branches of the graph (dX, and the SDDMM on a side
-# stream) even where the backend would fuse it (9 <= B <= 32 on the GPU); eagerly the fused launch
-# (one launch: less host time in a host-bound step). Measured on an H100 (`e54deb9`, captured
-# training step of a 4096 x 4096 layer at 90% with snack.optim.Adam, bench_layer.py, graph us,
-# two rounds each): B = 32 fused 81.4 / 84.5, two branches 74.6 / 74.4; B = 16 77.4 / 81.0 against
-# 74.4 / 74.9. The kernels alone on the H200 (`8c949ff`, 90%, B = 32): fused 39.0 us, dX then the
-# SDDMM on one stream 39.5. False: the fused launch captured too.
-CAPTURED_TWO_BRANCHES = True
-
-
 def gradients(dy, x, values, topo, need_dx: bool, need_dv: bool, need_db: bool):
-    """(dX, dv, db) of Y = X W^T + b for dy (B, out) contiguous, None where not needed: two
-    branches of the graph under CUDA-graph capture (spmm_t, and the SDDMM on a side stream; see
-    CAPTURED_TWO_BRANCHES), else one fused launch where the backend has one, else spmm_t and the
-    SDDMM. x may be None when dv is not needed, values when dX is not."""
+    """(dX, dv, db) of Y = X W^T + b for dy (B, out) contiguous, None where not needed: one
+    fused launch where the backend has one, else spmm_t and the SDDMM (two branches of the graph
+    under CUDA-graph capture). x may be None when dv is not needed, values when dX is not."""
     dx = dv = db = None
     if need_dx and need_dv:
-        capturing = dy.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing and CAPTURED_TWO_BRANCHES:
-            return _backward_two_branches(dy, x, values, topo, need_db)
         fused = backend.backward(dy, x, topo, values, need_db)
         if fused is not None:
             return fused
-        if capturing:
+        if dy.is_cuda and torch.cuda.is_current_stream_capturing():
             return _backward_two_branches(dy, x, values, topo, need_db)
     if need_dx:
         dx = backend.spmm_t(dy, topo, values)
