@@ -43,6 +43,7 @@ from torch._C._functorch import maybe_current_level as _current_level
 
 from . import backend, library
 from snack.core import Topology
+from snack.core.coo import REBUILD
 
 __all__ = ["sparse_linear", "SparseLinearFunction", "settle_autograd"]
 
@@ -228,16 +229,48 @@ def _differentiable_gradients(dy, x, values, topo, need_dx: bool, need_dv: bool,
     return dx, dv, db
 
 
+# Where the GPU backend fuses the backward (9 <= B <= 32), a CUDA-graph capture can still take dX
+# and the SDDMM as two branches of the graph (below) when CAPTURED_TWO_BRANCHES is on; eager calls
+# keep the fused launch (one launch: less host time in a host-bound step). The separate ops' launch
+# plans cannot be built under capture, so with it on, the first fused eager backward of a topology,
+# batch and dtypes also runs the two separate ops once (their results unused) to build them, and a
+# capture takes the two branches only where that happened. Measured on an H100 (`e54deb9`: the
+# captured training step of a 4096 x 4096 layer at 90% with snack.optim.Adam, graph us, two rounds
+# each): B = 32 fused 81.4 / 84.5, two branches 74.6 / 74.4; B = 16 77.4 / 81.0 against 74.4 /
+# 74.9 (gpu/PERFORMANCE.md, "The fused backward"). Off by default until a GPU has run its tests
+# and the H200 has been measured.
+CAPTURED_TWO_BRANCHES = False
+REBUILD.setdefault("backward_branches", None)  # a flag per (batch, dtypes): independent of the pattern
+
+
+def _capture_state(dy) -> Optional[bool]:
+    """None for a tensor off the GPU, else whether the current CUDA stream is capturing."""
+    if not dy.is_cuda:
+        return None
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _branches_key(dy, x, values, need_db) -> tuple:
+    return ("backward_branches", dy.shape[0], dy.dtype, x.dtype, values.dtype, bool(need_db))
+
+
 def gradients(dy, x, values, topo, need_dx: bool, need_dv: bool, need_db: bool):
     """(dX, dv, db) of Y = X W^T + b for dy (B, out) contiguous, None where not needed: one
-    fused launch where the backend has one, else spmm_t and the SDDMM (two branches of the graph
-    under CUDA-graph capture). x may be None when dv is not needed, values when dX is not."""
+    fused launch where the backend has one (under CUDA-graph capture, with CAPTURED_TWO_BRANCHES,
+    the two branches instead where their plans were built), else spmm_t and the SDDMM (two
+    branches of the graph under CUDA-graph capture). x may be None when dv is not needed, values
+    when dX is not."""
     dx = dv = db = None
     if need_dx and need_dv:
+        capturing = _capture_state(dy)
+        if capturing and CAPTURED_TWO_BRANCHES and _branches_key(dy, x, values, need_db) in topo.cache:
+            return _backward_two_branches(dy, x, values, topo, need_db)
         fused = backend.backward(dy, x, topo, values, need_db)
         if fused is not None:
+            if capturing is False and CAPTURED_TWO_BRANCHES:
+                _build_branches(dy, x, values, topo, need_db)
             return fused
-        if dy.is_cuda and torch.cuda.is_current_stream_capturing():
+        if capturing:
             return _backward_two_branches(dy, x, values, topo, need_db)
     if need_dx:
         dx = backend.spmm_t(dy, topo, values)
@@ -246,6 +279,16 @@ def gradients(dy, x, values, topo, need_dx: bool, need_dv: bool, need_db: bool):
     elif need_db:
         db = _bias_grad(dy)
     return dx, dv, db
+
+
+def _build_branches(dy, x, values, topo, need_db) -> None:
+    """Once per topology, batch and dtypes: the two separate ops of the backward run eagerly (their
+    results dropped), so that their launch plans exist when a CUDA graph is captured."""
+    key = _branches_key(dy, x, values, need_db)
+    if key not in topo.cache:
+        backend.spmm_t(dy, topo, values)
+        _values_grad(dy, x, topo, need_db)
+        topo.cache[key] = True
 
 
 def _values_grad(dy, x, topo, need_db):

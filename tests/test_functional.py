@@ -183,6 +183,70 @@ def test_backward_takes_a_backends_fused_backward(monkeypatch, with_bias):
         torch.testing.assert_close(b.grad, dy.sum(0))
 
 
+def test_captured_backward_takes_two_branches_once_their_plans_are_built(monkeypatch):
+    # CAPTURED_TWO_BRANCHES: the first fused eager backward of a topology and batch also runs
+    # spmm_t and the SDDMM once (building their launch plans: they cannot be built under capture);
+    # a capture then takes the two branches where that happened, else the fused launch. The
+    # capture is simulated (functional._capture_state) and so is the backend's fusion
+    from snack.layers import functional as Fn
+    idx, vals = _coo(9, 8, density=0.5, seed=4)
+    cpu = backend._load("cpu")
+    calls = []
+
+    def fused(dy, x_, topo, values, bias_grad=False):
+        calls.append("fused")
+        res = (cpu.spmm_t(dy, topo, values), cpu.sddmm(dy, x_, topo))
+        return res + (dy.sum(0),) if bias_grad else res
+
+    def counted(name, fn):
+        def wrapped(*a, **k):
+            calls.append(name)
+            return fn(*a, **k)
+        return wrapped
+
+    def branches(dy, x_, values, topo, need_db):
+        calls.append("branches")
+        return (cpu.spmm_t(dy, topo, values), cpu.sddmm(dy, x_, topo), dy.sum(0) if need_db else None)
+
+    monkeypatch.setitem(backend._loaded, "cpu", backend.SimpleNamespace(
+        **{**vars(cpu), "fuses_backward": lambda batch, topo: batch == 4, "spmm_t_sddmm": fused}))
+    monkeypatch.setattr(backend, "spmm_t", counted("spmm_t", backend.spmm_t))
+    monkeypatch.setattr(backend, "sddmm", counted("sddmm", backend.sddmm))
+    monkeypatch.setattr(Fn, "_backward_two_branches", branches)
+    monkeypatch.setattr(Fn, "CAPTURED_TWO_BRANCHES", True)
+    state = {"capturing": False}
+    monkeypatch.setattr(Fn, "_capture_state", lambda dy: state["capturing"])
+    w = _dense(idx, vals, 9, 8)
+    dy = torch.randn(4, 9, dtype=torch.float64)
+
+    def step(indices, values):
+        x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+        v = values.clone().requires_grad_()
+        b = torch.zeros(9, dtype=torch.float64, requires_grad=True)
+        calls.clear()
+        sparse_linear(x, indices, v, 9, b).backward(dy)
+        torch.testing.assert_close(x.grad, dy @ w)
+        torch.testing.assert_close(v.grad, (dy.T @ x.detach())[idx[0].long(), idx[1].long()])
+        torch.testing.assert_close(b.grad, dy.sum(0))
+        return list(calls)
+
+    assert step(idx, vals) == ["fused", "spmm_t", "sddmm"]  # eager: the plans built once
+    topo = backend.get_topology(idx, (9, 8))
+    assert [k for k in topo.cache if isinstance(k, tuple) and k[0] == "backward_branches"]
+    assert step(idx, vals) == ["fused"]
+    state["capturing"] = True
+    assert step(idx, vals) == ["branches"]
+    assert step(idx.clone(), vals) == ["fused"]  # another topology, no eager step before: fused
+    # the flag is independent of the pattern: a topology refreshed in place keeps it
+    from snack.core.coo import REBUILD
+    assert REBUILD["backward_branches"] is None
+    monkeypatch.setattr(Fn, "CAPTURED_TWO_BRANCHES", False)
+    assert step(idx, vals) == ["fused"]
+    state["capturing"] = False
+    other = idx.clone()
+    assert step(other, vals) == ["fused"]  # off: no plans built either
+
+
 # ---- validation ---------------------------------------------------------------------------------
 def test_unsorted_indices_raise_with_hint():
     idx, vals = _coo(6, 5, density=0.5, seed=2)

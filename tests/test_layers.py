@@ -669,13 +669,18 @@ def test_two_captures_open_at_once_each_get_their_own_backward_side_stream():
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("two_branches", [False, True])
 @pytest.mark.parametrize("B,bias", [(12, True), (16, True), (32, False), (32, True)])
-def test_fused_backward_matches_float64_eager_and_captured(B, bias):
-    """From B = 9 to 32 the GPU backward is one fused launch
-    (dX, dv, db): its gradients equal a float64 dense computation, eagerly and replayed from a
-    CUDA graph (gradients poisoned before the replay)."""
+def test_fused_backward_matches_float64_eager_and_captured(monkeypatch, B, bias, two_branches):
+    """From B = 9 to 32 the eager GPU backward is one fused launch (dX, dv, db): its gradients
+    equal a float64 dense computation, and replayed from a CUDA graph (gradients poisoned before
+    the replay) they equal the eager ones, captured as the fused launch or, with
+    CAPTURED_TWO_BRANCHES (whose plans the eager fused steps build), as two branches."""
     import snack.gpu as G
+    from snack.layers import functional as Fn
     from snack.layers.backend import get_topology
+    monkeypatch.setattr(Fn, "CAPTURED_TWO_BRANCHES", two_branches)
+    monkeypatch.setattr(Fn, "_SIDE", {})  # the side streams the captured backward takes
     torch.manual_seed(13)
     layer = SparseLinear(1000, 1700, sparsity=0.9, bias=bias, device="cuda")
     assert G.fuses_backward(B, get_topology(layer.indices, (1700, 1000)))
@@ -695,6 +700,7 @@ def test_fused_backward_matches_float64_eager_and_captured(B, bias):
     got, _graph = _replayed_grads(layer, x, dy)
     for name, a, b in zip(("dx", "dv", "db"), got, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert bool(Fn._SIDE) == two_branches
 
 
 @pytest.mark.gpu
