@@ -15,7 +15,10 @@ from B = 32 is timed only under `gather`), e.g. the A/B behind `ops.WIDE_OWN`:
 with (`ops.WIDE_OWN_THREADS`, its launch bound, so 65536 / threads registers per thread), e.g.
 `--batch 32,64 --bt 8 --threads 1024 --chunks 4,5,6 --split auto --wide-modes own
 --own-threads 512,640,768` (640 threads keep 96 registers; with 5 chunks a block's 158 rows make
-1.97 rows per group of 8 lanes, as 125 rows over 64 groups do at 512).
+1.97 rows per group of 8 lanes, as 125 rows over 64 groups do at 512). `--row-order on,off` times
+the wide SpMMs with and without `ops.WIDE_ORDER` (rows in segment-length order from B = 33), e.g.
+`--sparsity 0.9,0.95 --batch 32,64,128 --bt 8 --threads 1024 --chunks auto --split auto
+--wide-modes auto,own --row-order on,off --ops fwd,dx`.
 
 Usage: python experiments/tune_kernels.py [--sparsity 0.9,0.99] [--batch 8,32,128] [--csv out.csv]
 """
@@ -50,6 +53,9 @@ def main(argv=None):
     ap.add_argument("--own-threads", default="auto",
                     help="block sizes of the lane-owned wide SpMMs (ops.WIDE_OWN_THREADS; auto: the default), "
                          "multiples of 32 up to 1024; --threads must be at least as large")
+    ap.add_argument("--row-order", default="auto",
+                    help="row orders of the wide SpMMs whose lane groups take a row each (ops.WIDE_ORDER): "
+                         "auto (the default), on, off; e.g. on,off for the A/B behind it")
     ap.add_argument("--ops", default="fwd,dx,sddmm")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
@@ -57,6 +63,8 @@ def main(argv=None):
     threads_ok = "multiples of 32 in [32, 1024]"
     own_threads = comma_list(ap, "own-threads", args.own_threads, auto_int,
                              lambda t: t is None or (32 <= t <= 1024 and t % 32 == 0), f"auto or {threads_ok}")
+    orders = comma_list(ap, "row-order", args.row_order, str.strip, lambda o: o in ("auto", "on", "off"),
+                        "among auto, on, off")
     n_out, n_in, sparsities, batches = grid(ap, args)
     bts = comma_list(ap, "bt", args.bt, int, lambda b: b in (1, 2, 4, 8), "batch tiles among 1, 2, 4, 8")
     threads = comma_list(ap, "threads", args.threads, int, lambda t: 32 <= t <= 1024 and t % 32 == 0, threads_ok)
@@ -97,15 +105,18 @@ def main(argv=None):
             t_dense = bench(lambda: torch.mm(x, wdf.T, out=y))
             configs = [dict(bt=bt, wide=False) for bt in bts if bt == 1 or bt <= 2 * B]
             if B >= args.wide_from:
-                configs += [dict(wide=True, chunks=ch, split=s, mode=m, own=ot) for ch in chunks
-                            for s in splits for m in modes for ot in own_threads]
+                configs += [dict(wide=True, chunks=ch, split=s, mode=m, own=ot, order=o) for ch in chunks
+                            for s in splits for m in modes for ot in own_threads for o in orders]
             for cfg in configs:
                 mode = cfg.pop("mode", "auto")
                 own = cfg.pop("own", None)
-                knobs = (gops.WIDE_OWN_THREADS, gops.WIDE_OWN_BOUND)
+                order = cfg.pop("order", "auto")
+                knobs = (gops.WIDE_OWN_THREADS, gops.WIDE_OWN_BOUND, gops.WIDE_ORDER)
                 if own is not None:
                     gops.WIDE_OWN_THREADS = own
                     gops.WIDE_OWN_BOUND = None
+                if order != "auto":
+                    gops.WIDE_ORDER = order == "on"
                 sd_cfg = {k: v for k, v in cfg.items() if k != "split"}
                 try:
                     for th in threads:
@@ -140,6 +151,7 @@ def main(argv=None):
                             name = f"wide c{cfg['chunks'] or 'a'} s{cfg['split'] or 'a'}"
                             name += "" if mode == "auto" else f" {mode}"
                             name += "" if own is None else f" o{own}"
+                            name += "" if order == "auto" else f" order-{order}"
                         else:
                             name = f"bt{cfg['bt']}"
                         rows.append(dict(meta, shape=args.shape, sparsity=sp, batch=B, config=name, threads=th,
@@ -147,7 +159,7 @@ def main(argv=None):
                         print(f"{sp:5} {B:4} {name:>16} {th:5} " + " ".join(f"{res.get(o, float('nan')):8.2f}"
                               for o in ("fwd", "dx", "sddmm")) + f"   {t_dense:8.2f}", flush=True)
                 finally:
-                    gops.WIDE_OWN_THREADS, gops.WIDE_OWN_BOUND = knobs
+                    gops.WIDE_OWN_THREADS, gops.WIDE_OWN_BOUND, gops.WIDE_ORDER = knobs
     if args.csv and rows:
         write_csv(args.csv, rows, fieldnames=sorted({k for r in rows for k in r}, key=list(rows[0]).index))
         print(f"wrote {args.csv}")

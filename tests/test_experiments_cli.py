@@ -293,7 +293,8 @@ def test_gpu_scripts_check_their_options_first(capsys):
                            ("--batch", "0", "positive ints"), ("--sparsity", "1", "in [0, 1)"),
                            ("--bt", "3", "1, 2, 4, 8"), ("--threads", "100", "multiples of 32"),
                            ("--chunks", "0", "auto or positive"), ("--split", "y", "comma-separated"),
-                           ("--ops", "fwd,bwd", "among fwd, dx, sddmm")):
+                           ("--ops", "fwd,bwd", "among fwd, dx, sddmm"),
+                           ("--row-order", "on,maybe", "among auto, on, off")):
         msg = _usage_error(capsys, tune_kernels.main, [opt, bad])
         assert opt in msg and what in msg, msg
     from experiments import bench_cold, decompose_wide
