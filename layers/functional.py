@@ -262,15 +262,17 @@ def gradients(dy, x, values, topo, need_dx: bool, need_dv: bool, need_db: bool):
     when dX is not."""
     dx = dv = db = None
     if need_dx and need_dv:
-        capturing = _capture_state(dy)
-        if capturing and CAPTURED_TWO_BRANCHES and _branches_key(dy, x, values, need_db) in topo.cache:
+        # (the capture state is looked up only where it decides something: a host-bound eager
+        # step with the fused launch pays nothing for CAPTURED_TWO_BRANCHES while it is off)
+        capturing = _capture_state(dy) if CAPTURED_TWO_BRANCHES else None
+        if capturing and _branches_key(dy, x, values, need_db) in topo.cache:
             return _backward_two_branches(dy, x, values, topo, need_db)
         fused = backend.backward(dy, x, topo, values, need_db)
         if fused is not None:
-            if capturing is False and CAPTURED_TWO_BRANCHES:
+            if capturing is False:
                 _build_branches(dy, x, values, topo, need_db)
             return fused
-        if capturing:
+        if capturing if CAPTURED_TWO_BRANCHES else _capture_state(dy):
             return _backward_two_branches(dy, x, values, topo, need_db)
     if need_dx:
         dx = backend.spmm_t(dy, topo, values)
