@@ -1163,11 +1163,12 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                 rend = int32(r0 + pw)
                 ob = int32(n_rows * nch + 1) + (int32(ch) * int32(cuda.gridDim.z) + int32(cuda.blockIdx.z)) * pw
                 ra = row_at(seg, ob, int32(r - r0), pw)
-                s0, s1 = _bounds(seg, ra * nch + ch, ra >= 0)
+                ok = ra >= 0
             else:
                 rend = r1
                 ra = r
-                s0, s1 = _bounds(seg, r * nch + ch, r < r1)
+                ok = r < r1
+            s0, s1 = _bounds(seg, ra * nch + ch, ok)
             if OWN:
                 for u in range(U):
                     crs[u], vas[u] = load_nz(idx, val, perm, int32(s0 + kq + 8 * u), s1, c0)
@@ -1192,10 +1193,11 @@ def _spmm_wide_kernel(kind, has_perm, sums, has_bias, idx16, fused, with_db, row
                 rn = int32(r + (4 * nwarps if ROWG else nwarps))
                 if ORDER:
                     rna = row_at(seg, ob, int32(rn - r0), pw)
-                    ns0, ns1 = _bounds(seg, rna * nch + ch, rna >= 0)
+                    nok = rna >= 0
                 else:
                     rna = rn
-                    ns0, ns1 = _bounds(seg, rn * nch + ch, rn < r1)
+                    nok = rn < r1
+                ns0, ns1 = _bounds(seg, rna * nch + ch, nok)
                 a0 = float32(0.0)
                 a1 = float32(0.0)
                 a2 = float32(0.0)
