@@ -78,12 +78,15 @@ def variants():
         for perm, bias in ((False, False), (True, False), (False, True)):
             for sums in SPMM_SUMS:
                 for rows4, own in _WIDE_MODES:
-                    d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own, order=rows4 or own,
-                                                      threads=_threads(own),
-                                                      per_lane=_per_lane())
-                    yel = "float32" if _fp32_sums(sums) else el
-                    out.append((d.py_func.__name__, d,
-                                _sig([el, "int32", "int32", el, "int32", yel, el, el, el, el], 7)))
+                    # the forward's lane-group variants also with their row order (from B = 33; the
+                    # same code in every dtype: float32's compiled)
+                    orders = (False, True) if (rows4 or own) and not perm and kind == 0 else (False,)
+                    for order in orders:
+                        d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own, order=order,
+                                                          threads=_threads(own), per_lane=_per_lane())
+                        yel = "float32" if _fp32_sums(sums) else el
+                        out.append((d.py_func.__name__, d,
+                                    _sig([el, "int32", "int32", el, "int32", yel, el, el, el, el], 7)))
         for sums in SPMM_SUMS:  # the fused backward (dX, dv and optionally db in one pass)
             for with_db in (False, True):
                 for i16 in ((False, True) if kind == 0 else (False,)):
@@ -99,7 +102,7 @@ def variants():
             for sums in SPMM_SUMS:
                 for rows4, own in _WIDE_MODES:
                     d = kernels.make_spmm_wide_kernel(kind, True, sums, False, True, rows4=rows4, own=own,
-                                                      order=rows4 or own, threads=_threads(own), per_lane=_per_lane())
+                                                      threads=_threads(own), per_lane=_per_lane())
                     out.append((d.py_func.__name__, d,
                                 _sig([el, "int32", "uint16", el, "int32", "float32" if _fp32_sums(sums) else el, el,
                                       el, el, el], 7)))
@@ -126,7 +129,7 @@ def variants():
                 for sums in SPMM_SUMS:
                     for rows4, own in _WIDE_MODES:
                         d = kernels.make_spmm_wide_kernel(kind, perm, sums, bias, rows4=rows4, own=own,
-                                                          order=rows4 or own, threads=_threads(own), per_lane=_per_lane(), vkind=0)
+                                                          threads=_threads(own), per_lane=_per_lane(), vkind=0)
                         out.append((d.py_func.__name__, d,
                                     _sig([el, "int32", "int32", "float32", "int32", "float32" if _fp32_sums(sums) else el, vb,
                                           el, el, el], 7)))
