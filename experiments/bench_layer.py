@@ -444,7 +444,8 @@ def environment(device: torch.device) -> Dict[str, str]:
                triton=version("triton"), python=platform.python_version(), commit=git_commit(),
                date=datetime.datetime.now().isoformat(timespec="seconds"),
                snack_backend=snack_backend.backend_name(device, torch.float32),
-               tf32=str(torch.backends.cuda.matmul.allow_tf32))
+               tf32=str(torch.backends.cuda.matmul.allow_tf32),
+               captured_two_branches=str(snack.layers.functional.CAPTURED_TWO_BRANCHES))
     return env
 
 

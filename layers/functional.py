@@ -237,9 +237,9 @@ def _differentiable_gradients(dy, x, values, topo, need_dx: bool, need_dv: bool,
 # capture takes the two branches only where that happened. Measured on an H100 (`e54deb9`: the
 # captured training step of a 4096 x 4096 layer at 90% with snack.optim.Adam, graph us, two rounds
 # each): B = 32 fused 81.4 / 84.5, two branches 74.6 / 74.4; B = 16 77.4 / 81.0 against 74.4 /
-# 74.9 (gpu/PERFORMANCE.md, "The fused backward"). Off by default until a GPU has run its tests
-# and the H200 has been measured.
-CAPTURED_TWO_BRANCHES = False
+# 74.9 (gpu/PERFORMANCE.md, "The fused backward"); at `288030e`, with the plans built by the eager
+# steps: B = 32 81.7 -> 74.3, B = 16 78.4 -> 74.5. False: the fused launch under capture too.
+CAPTURED_TWO_BRANCHES = True
 REBUILD.setdefault("backward_branches", None)  # a flag per (batch, dtypes): independent of the pattern
 
 
