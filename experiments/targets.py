@@ -3,6 +3,8 @@
     python experiments/targets.py              # one line per target: met / NOT met, value, target
     python experiments/targets.py --markdown   # the README's table ("Targets at a glance")
     python experiments/targets.py --cold       # the same targets read on the cold-L2 timings
+    python experiments/targets.py --h100       # the same targets on the latest H100 runs (README,
+                                               # "On an H100"; the targets are stated for the H200)
 
 Every value is a ratio in which larger is better (a speed-up, a fraction of the roofline, dense's
 bytes or energy over SNACK's), so a target is met when value >= target. The targets are read on
@@ -25,6 +27,8 @@ KERNELS_CSV = ROOT / "results" / "bench_kernels_quick.csv"
 LAYER_CSV = ROOT / "results" / "bench_layer_snack_adam.csv"
 KERNELS_COLD_CSV = ROOT / "results" / "bench_cold.csv"
 LAYER_COLD_CSV = ROOT / "results" / "bench_layer_snack_adam_cold_l2.csv"
+KERNELS_H100_CSV = ROOT / "results" / "bench_kernels_quick_h100.csv"
+LAYER_H100_CSV = ROOT / "results" / "bench_layer_snack_adam_h100.csv"
 
 
 @dataclass(frozen=True)
@@ -174,10 +178,16 @@ def main(argv: Optional[List[str]] = None) -> List[Check]:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--markdown", action="store_true", help="print the README's markdown table")
     ap.add_argument("--cold", action="store_true", help="read the targets on the cold-L2 CSVs")
+    ap.add_argument("--h100", action="store_true", help="read the targets on the H100 CSVs")
     ap.add_argument("--kernels-csv", type=Path, default=None)
     ap.add_argument("--layer-csv", type=Path, default=None)
     a = ap.parse_args(argv)
-    if a.cold:
+    if a.cold and a.h100:
+        ap.error("--cold and --h100 cannot be combined (no cold-L2 runs on the H100)")
+    if a.h100:
+        checks = (kernel_checks(a.kernels_csv or KERNELS_H100_CSV)
+                  + layer_checks(a.layer_csv or LAYER_H100_CSV))
+    elif a.cold:
         checks = (kernel_cold_checks(a.kernels_csv or KERNELS_COLD_CSV)
                   + layer_cold_checks(a.layer_csv or LAYER_COLD_CSV))
     else:

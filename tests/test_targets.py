@@ -33,13 +33,17 @@ def _by_name(checks):
     return {c.name: c for c in checks}
 
 
-def test_readme_table_is_what_the_committed_csvs_give():
+@pytest.mark.parametrize("marker, flag", [("targets", ""), ("targets-h100", " --h100")])
+def test_readme_table_is_what_the_committed_csvs_give(marker, flag):
     readme = (ROOT / "README.md").read_text()
-    m = re.search(r"<!-- targets:begin -->\n(.*?)\n<!-- targets:end -->", readme, flags=re.S)
-    assert m, "README.md lost its targets table markers"
-    expected = targets.markdown(targets.kernel_checks() + targets.layer_checks())
-    assert m.group(1).strip() == expected.strip(), (
-        "README's targets table differs from `python experiments/targets.py --markdown`")
+    m = re.search(rf"<!-- {marker}:begin -->\n(.*?)\n<!-- {marker}:end -->", readme, flags=re.S)
+    assert m, f"README.md lost its {marker} table markers"
+    if flag:
+        checks = targets.kernel_checks(targets.KERNELS_H100_CSV) + targets.layer_checks(targets.LAYER_H100_CSV)
+    else:
+        checks = targets.kernel_checks() + targets.layer_checks()
+    assert m.group(1).strip() == targets.markdown(checks).strip(), (
+        f"README's {marker} table differs from `python experiments/targets.py --markdown{flag}`")
 
 
 @pytest.mark.parametrize("ratio, met", [(10.0, True), (9.99, False)])
@@ -92,3 +96,8 @@ def test_cli_prints_every_target(capsys):
     assert {c.part for c in checks} == {"kernels", "layer"}
     cold = targets.main(["--cold"])
     assert cold and all(c.name.startswith("cold L2") for c in cold)
+    h100 = targets.main(["--h100"])
+    assert [c.name for c in h100] == [c.name for c in checks]
+    assert all("H100" in c.source for c in h100) and not any("H100" in c.source for c in checks)
+    with pytest.raises(SystemExit):
+        targets.main(["--cold", "--h100"])
