@@ -11,7 +11,7 @@
 #   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2 | bench-gpt2-rest   (the other CSVs REPRODUCTION.md cites)
 #   make bench-bf16                               # half precision: kernels in bfloat16, the layer under autocast
 #   make bench-cold                               # the kernels' forward and the layer with a cold L2 beside a warm one
-#   make targets                                  # every target of the kernels and the layer: met or not, from results/*.csv
+#   make targets                                  # every target of the kernels and the layer: met or not, from results/*.csv  (H200, cold L2, H100)
 #   make -j2 mnist-recipe [DIST=erk]              # LeNet-300-100 with sparse_learning's recipe, dense / SET / RigL
 
 VENV    ?= .venv
@@ -104,6 +104,7 @@ bench-cpu:
 targets:
 	$(PY) experiments/targets.py
 	$(PY) experiments/targets.py --cold
+	$(PY) experiments/targets.py --h100
 
 # Figures are drawn from results/*.csv by the plot scripts, never inside a benchmark: each plot
 # script's default figure, then MORE_FIGURES (a CSV not measured yet is skipped and named).
