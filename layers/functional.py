@@ -262,17 +262,15 @@ def gradients(dy, x, values, topo, need_dx: bool, need_dv: bool, need_db: bool):
     when dX is not."""
     dx = dv = db = None
     if need_dx and need_dv:
-        # (the capture state is looked up only where it decides something: a host-bound eager
-        # step with the fused launch pays nothing for CAPTURED_TWO_BRANCHES while it is off)
-        capturing = _capture_state(dy) if CAPTURED_TWO_BRANCHES else None
-        if capturing and _branches_key(dy, x, values, need_db) in topo.cache:
+        capturing = _capture_state(dy)
+        if CAPTURED_TWO_BRANCHES and capturing and _branches_key(dy, x, values, need_db) in topo.cache:
             return _backward_two_branches(dy, x, values, topo, need_db)
         fused = backend.backward(dy, x, topo, values, need_db)
         if fused is not None:
-            if capturing is False:
+            if CAPTURED_TWO_BRANCHES and capturing is False:
                 _build_branches(dy, x, values, topo, need_db)
             return fused
-        if capturing if CAPTURED_TWO_BRANCHES else _capture_state(dy):
+        if capturing:
             return _backward_two_branches(dy, x, values, topo, need_db)
     if need_dx:
         dx = backend.spmm_t(dy, topo, values)
