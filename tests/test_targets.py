@@ -38,10 +38,7 @@ def test_readme_table_is_what_the_committed_csvs_give(marker, flag):
     readme = (ROOT / "README.md").read_text()
     m = re.search(rf"<!-- {marker}:begin -->\n(.*?)\n<!-- {marker}:end -->", readme, flags=re.S)
     assert m, f"README.md lost its {marker} table markers"
-    if flag:
-        checks = targets.kernel_checks(targets.KERNELS_H100_CSV) + targets.layer_checks(targets.LAYER_H100_CSV)
-    else:
-        checks = targets.kernel_checks() + targets.layer_checks()
+    checks = targets.warm_checks(h100=bool(flag))
     assert m.group(1).strip() == targets.markdown(checks).strip(), (
         f"README's {marker} table differs from `python experiments/targets.py --markdown{flag}`")
 
