@@ -624,6 +624,14 @@ def test_bad_options_outputs_sharing_inputs_and_a_coo_for_a_topology_are_rejecte
     xs = torch.randn(6, 6)
     with pytest.raises(ValueError, match="out shares memory with x"):
         G.spmm(xs, sq.topology, sq.values, out=xs)
+    # one buffer: x and out side by side share no element (fine, and right); a transposed x
+    # whose strided extent reaches into out does share memory
+    whole = torch.randn(72)
+    x_left, out_right = whole[:36].view(6, 6), whole[36:].view(6, 6)
+    G.spmm(x_left, sq.topology, sq.values, out=out_right)
+    assert torch.allclose(out_right, x_left @ sq.to_dense().T, atol=1e-5)
+    with pytest.raises(ValueError, match="out shares memory with x"):
+        G.spmm(whole[30:66].view(6, 6).t(), sq.topology, sq.values, out=out_right)
     with pytest.raises(TypeError, match="bias_grad must be True or False"):
         G.sddmm(dy, x, t, bias_grad="no")
     with pytest.raises(TypeError, match="bias_grad must be True or False"):
