@@ -1057,8 +1057,8 @@ def test_tiles_transposed_kernel(dtype, native):
 
 @pytest.mark.parametrize("shape,B,density,dtype,vdtype", [
     ((37, 45), 20, 0.3, torch.float32, torch.float32), ((70, 9), 33, 0.4, torch.float32, torch.float32),
-    ((40, 300), 64, 0.05, torch.float32, torch.float32), ((37, 45), 20, 0.3, torch.float16, torch.float16),
-    ((70, 9), 33, 0.4, torch.bfloat16, torch.bfloat16), ((40, 300), 40, 0.05, torch.bfloat16, torch.float32),
+    ((40, 150), 64, 0.1, torch.float32, torch.float32), ((37, 45), 20, 0.3, torch.float16, torch.float16),
+    ((70, 9), 33, 0.4, torch.bfloat16, torch.bfloat16), ((40, 150), 40, 0.1, torch.bfloat16, torch.float32),
     ((23, 50), 35, 0.2, torch.float16, torch.float32)])
 def test_gather_spmms(shape, B, density, dtype, vdtype):
     # the gathering SpMMs (wide_mode "gather"): no staging, each entry reads its column's line of
