@@ -127,27 +127,25 @@ def _span(t: torch.Tensor):
     return None if r is None else (t.untyped_storage().data_ptr(), *r)
 
 
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether tensors a and b may share memory (same storage, intersecting byte ranges). The
-    ranges are compared first: the storages are looked up (~1 us each) only when they meet."""
-    ra, rb = _byte_range(a), _byte_range(b)
+def _shares(a: torch.Tensor, ra, b: torch.Tensor, rb) -> bool:
+    """overlaps(a, b) given their `_byte_range`s: the ranges are compared first, the storages
+    looked up (~1 us each) only when they meet."""
     if ra is None or rb is None or not (ra[0] < rb[1] and rb[0] < ra[1]):
         return False
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether tensors a and b may share memory (same storage, intersecting byte ranges)."""
+    return _shares(a, _byte_range(a), b, _byte_range(b))
+
+
 def _check_no_overlap(out: torch.Tensor, **inputs) -> None:
     """ValueError when `out` shares memory with one of the named input tensors: the kernels read
-    the inputs while other blocks write the output."""
+    the inputs while other blocks write the output. (out's range is found once.)"""
     ro = _byte_range(out)
-    if ro is None:
-        return
     for name, t in inputs.items():
-        if t is None:
-            continue
-        rt = _byte_range(t)
-        if (rt is not None and ro[0] < rt[1] and rt[0] < ro[1]
-                and out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()):
+        if t is not None and _shares(out, ro, t, _byte_range(t)):
             raise ValueError(f"out shares memory with {name}; give an output buffer of its own")
 
 
