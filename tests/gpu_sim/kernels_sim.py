@@ -191,6 +191,85 @@ def test_deep_copy_of_a_matrix_whose_plans_are_cached():
         assert torch.equal(a, b)
 
 
+def _fast_entries(topo):
+    return {k: v for k, v in topo.cache.items() if isinstance(k, tuple) and k[0] == "spmm_fast"}
+
+
+@pytest.mark.parametrize("dtype,vdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                          (torch.float16, torch.float32)])
+def test_repeated_calls_take_the_fast_path(dtype, vdtype, monkeypatch):
+    """A call like an earlier one (same dtypes, shapes, devices, default options, no out=) goes
+    straight to that call's plan, without the checks and the plan lookup: fresh inputs give
+    fresh, right outputs (spmm with and without a bias, spmm_t), each call its own output tensor;
+    a new batch size is planned anew."""
+    from snack.gpu import ops
+    coo = COO.random((13, 37), density=0.3, seed=4)
+    t, v = coo.topology, coo.values.to(vdtype)
+    bias = torch.randn(13).to(vdtype)
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    for call in range(3):
+        x, dy = torch.randn(5, 37, generator=g).to(dtype), torch.randn(5, 13, generator=g).to(dtype)
+        y, yb, dx = G.spmm(x, t, v), G.spmm(x, t, v, bias=bias), G.spmm_t(dy, t, v)
+        xd, dyd, vd = x.double(), dy.double(), v.double()
+        for got, ref in ((y, spmm_reference(xd, t.indices, vd, 13)),
+                         (yb, spmm_reference(xd, t.indices, vd, 13) + bias.double()),
+                         (dx, spmm_t_reference(dyd, t.indices, vd, 37))):
+            assert got.dtype == dtype and _rel(got, ref) < TOL[dtype]
+        outs.append(y)
+        assert len(_fast_entries(t)) == 3  # forward, forward with a bias, transposed
+        if call == 0:  # from the second call on the checked path would fail (the module's dict
+            # is patched directly: setting an attribute of ops would start a new generation)
+            def checked_path(*a, **k):
+                raise AssertionError("the checked path ran")
+            for name in ("_check_common", "_check_values", "_spmm_plan"):
+                monkeypatch.setitem(ops.__dict__, name, checked_path)
+    assert len({o.data_ptr() for o in outs}) == 3
+    with pytest.raises(AssertionError, match="the checked path ran"):
+        G.spmm(torch.randn(2, 37).to(dtype), t, v)
+    monkeypatch.undo()
+    G.spmm(torch.randn(2, 37).to(dtype), t, v)
+    assert len(_fast_entries(t)) == 4
+
+
+def test_fast_path_keeps_the_checks_and_follows_the_knobs(monkeypatch):
+    """After a call has taken the fast path's entry, bad input still gets its error (a changed
+    shape, dtype, device or type never matches the entry); a non-contiguous x is right (the
+    checked path copies it); a knob set on snack.gpu.ops, or deterministic algorithms, plan anew."""
+    from snack.gpu import ops
+    coo = COO.random((12, 30), density=0.3, seed=6)
+    t, v = coo.topology, coo.values
+    x = torch.randn(4, 30)
+    want = G.spmm(x, t, v)
+    assert torch.equal(G.spmm(x, t, v), want)
+    with pytest.raises(ValueError, match="x must have 30 columns"):
+        G.spmm(torch.randn(4, 31), t, v)
+    with pytest.raises(ValueError, match=r"values must have shape"):
+        G.spmm(x, t, v[:-1].contiguous())
+    with pytest.raises(TypeError, match="values has dtype"):
+        G.spmm(x, t, v.double())
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        G.spmm(x.numpy(), t, v)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        G.spmm(x, t, v, bias=torch.randn(11))
+    wide = torch.randn(4, 60)[:, ::2]  # not contiguous
+    assert _rel(G.spmm(wide, t, v), spmm_reference(wide.double(), t.indices, v.double(), 12)) < 1e-5
+    n, gen = len(_fast_entries(t)), ops._generation
+    monkeypatch.setattr(ops, "PARTIAL_SUMS", "parts")
+    assert ops._generation != gen
+    assert torch.allclose(G.spmm(x, t, v), want, rtol=1e-5, atol=1e-6)
+    assert len(_fast_entries(t)) == n + 1
+    with ops.wide_mode("rows4"):
+        assert torch.allclose(G.spmm(x, t, v), want, rtol=1e-5, atol=1e-6)
+    assert len(_fast_entries(t)) == n + 2
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.allclose(G.spmm(x, t, v), want, rtol=1e-5, atol=1e-6)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(_fast_entries(t)) == n + 3
+
+
 @pytest.mark.parametrize("B,kw", [(8, {}), (20, dict(wide=True, chunks=2))])
 def test_cached_plans_follow_a_topology_refreshed_in_place(B, kw):
     """After every op ran (plans and arrays cached), a new pattern with the same nnz is written
