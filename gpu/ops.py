@@ -50,6 +50,11 @@ add their partial rows in order through distributed shared memory (`CLUSTER_SUMS
 capability >= 9.0, up to 8 groups, when every cluster fits on the GPU at once), and otherwise
 (the SDDMM's batch tiles too) each part is written to an fp32 buffer of its own and the parts
 are summed in order by one torch reduction.
+
+Host time: a spmm or spmm_t call like an earlier one on the same topology (operands of the same
+dtypes, shapes and devices, contiguous; default launch options; no `out=`) takes that call's
+plan straight away, without repeating the checks it passed (`FAST_PATH`; setting any attribute
+of this module, such as the knobs above, makes the next calls check and plan again).
 """
 from __future__ import annotations
 
