@@ -948,8 +948,8 @@ def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, 
     deterministic-algorithms flag and this module's `_generation`) passed the same checks then,
     so it goes straight to that call's plan: a few microseconds less host time per call."""
     fast = None
-    if FAST_PATH and out is None and bt is None and threads == _THREADS and wide is None and chunks is None \
-            and split is None:
+    default_options = bt is None and threads == _THREADS and wide is None and chunks is None and split is None
+    if FAST_PATH and out is None and default_options:
         fast = _fast_key(transposed, a, topo, values, bias)
         if fast is not None:
             hit = topo.cache.get(fast)
@@ -959,7 +959,7 @@ def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, 
                 _launch_spmm(plan, kind, a, values, res, bias, a.device)
                 return res
     _check_topo(topo)
-    if bt is not None or threads != _THREADS or wide is not None or chunks is not None or split is not None:
+    if not default_options:
         _check_options(bt, threads, wide, chunks, split)
     dev = topo.device
     _check_common(name, a, dev)
@@ -987,11 +987,12 @@ def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, 
     for b0, b1 in slices:
         sa, sr = (a, res) if len(slices) == 1 else (a[b0:b1], res[b0:b1])
         ran = _run_spmm(sa, topo, transposed, values, sr, bias, bt, threads, wide, chunks, split, dev)
-        if ran is not None and fast is not None and len(slices) == 1:
-            # (after the launch: a call that raised there leaves no entry; a is x itself, as are
-            # values and bias: the key's contiguity held)
-            topo.cache[fast] = (*ran, n_res)
-        if ran is None:
+        if ran is not None:
+            if fast is not None and len(slices) == 1:
+                # (after the launch: a call that raised there leaves no entry; a is x itself, as
+                # are values and bias: the key's contiguity held)
+                topo.cache[fast] = (*ran, n_res)
+        else:
             from snack.core import reference
             ref = reference.spmm_t_reference if transposed else reference.spmm_reference
             sr.copy_(ref(sa.float(), topo.indices, values.float(), n_res))
