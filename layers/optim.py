@@ -23,10 +23,13 @@ with `fused=True` (the scaler then passes its scale and inf flag to the step).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from typing import Callable, List, Optional
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post_hooks
+from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre_hooks
 
 __all__ = ["Adam", "AdamW"]
 
@@ -63,22 +66,27 @@ class _SnackAdamStep:
 
     def _group_ok(self, group: dict) -> bool:
         b1, b2 = group["betas"]
-        return (not group.get("amsgrad", False) and not group.get("maximize", False)
-                and not group.get("differentiable", False)
-                and all(_is_number(v) for v in (group["lr"], b1, b2, group["eps"], group["weight_decay"])))
+        if group.get("amsgrad", False) or group.get("maximize", False) or group.get("differentiable", False):
+            return False
+        for v in (group["lr"], b1, b2, group["eps"], group["weight_decay"]):
+            if type(v) is not float and type(v) is not int and not _is_number(v):  # (exact types first)
+                return False
+        return True
 
     def _param_ok(self, p: torch.Tensor, dev_type: str) -> bool:
         g = p.grad
-        if p.dtype != torch.float32 or p.device.type != dev_type or not p.is_contiguous():
+        dev = p.device
+        if p.dtype is not torch.float32 or dev.type != dev_type or not p.is_contiguous():
             return False
-        if g.is_sparse or g.dtype != torch.float32 or not g.is_contiguous() or g.shape != p.shape:
+        shape = p.shape
+        if g.is_sparse or g.dtype is not torch.float32 or not g.is_contiguous() or g.shape != shape:
             return False
         state = self.state.get(p)
         if state:
             for key in ("exp_avg", "exp_avg_sq"):
                 t = state.get(key)
-                if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != p.device
-                        or not t.is_contiguous() or t.shape != p.shape):
+                if (not isinstance(t, torch.Tensor) or t.dtype is not torch.float32 or t.device != dev
+                        or not t.is_contiguous() or t.shape != shape):
                     return False
             if not isinstance(state.get("step"), torch.Tensor):
                 return False
@@ -101,16 +109,20 @@ class _SnackAdamStep:
 
     def _work(self) -> Optional[List[tuple]]:
         """[(param, group)] with gradients, or None when some of them need torch's step."""
-        if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+        attrs = self.__dict__
+        if attrs.get("found_inf") is not None or attrs.get("grad_scale") is not None:
             # torch.amp.GradScaler with fused=True hands the step its scale and inf flag instead
             # of unscaling the gradients (torch's fused step skips on inf and unscales)
             return None
-        dev_type = _kernel_device_type_for(p for g in self.param_groups for p in g["params"])
+        dev_type = False  # (found from the first parameter with a gradient)
         work = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            if dev_type is False:
+                # a CPU parameter with the simulator off needs torch's step whatever the others are
+                dev_type = _kernel_device_type() if params[0].is_cuda else _kernel_device_type_for(params[:1])
             if dev_type is None or not self._group_ok(group):
                 return None
             for p in params:
@@ -119,13 +131,22 @@ class _SnackAdamStep:
                 work.append((p, group))
         return work
 
-    @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One optimization step (see torch.optim.Adam.step); returns closure's loss if given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # no_grad's switch without its context manager (~1.5 us per step)
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            self._step_once()
+        finally:
+            torch._C._set_grad_enabled(grad_was)
+        return loss
+
+    def _step_once(self) -> None:
         work = self._work()
         if work is None:
             # torch's step, less the hook wrapper torch puts on a class's step when its first
@@ -134,9 +155,9 @@ class _SnackAdamStep:
             while getattr(base, "hooked", False):
                 base = base.__wrapped__
             base(self)
-            return loss
+            return
         if not work:
-            return loss
+            return
         from snack.gpu.optim import run_steps  # adam_steps less its checks: _work made them
         # one launch per two parameters of a group (a layer's values and bias: one), which also
         # advances their step counts; each launch has its own counter slot (to find its last block)
@@ -165,7 +186,51 @@ class _SnackAdamStep:
             run_steps(sets, counter, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
                       float(group["weight_decay"]),
                       bool(group.get("decoupled_weight_decay", self._decoupled_default)))
-        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's (see torch.optim.Optimizer.zero_grad); with set_to_none (the default) and no
+        profiler running, a plain loop, without the profiler label torch's opens (~7 us)."""
+        if not set_to_none or torch._C._autograd._profiler_enabled() or torch.compiler.is_compiling():
+            return super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad = None
+
+
+def _hooked_step(func):
+    """`func` (a step) running the optimizer step hooks as torch's wrapper does
+    (`torch.optim.Optimizer.profile_hook_step`, which torch puts on an optimizer class's step
+    unless it is marked `hooked`): global and per-optimizer pre hooks, which may replace the
+    arguments, then the step, then the post hooks. Torch's wrapper also opens a profiler label
+    around them (`record_function`, ~7 us of host time per step); this one does so only while a
+    profiler runs (or under torch.compile). A subclass that overrides step has its own step
+    wrapped by torch, which runs the hooks; its super().step() then runs `func` alone."""
+    @functools.wraps(func)
+    def step(*args, **kwargs):
+        self = args[0]
+        if type(self).step is not step:
+            return func(*args, **kwargs)
+        if torch._C._autograd._profiler_enabled() or torch.compiler.is_compiling():
+            return torch.optim.Optimizer.profile_hook_step(func)(*args, **kwargs)
+        for pre_hook in itertools.chain(_global_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, args, kwargs)
+            if result is not None:
+                if isinstance(result, tuple) and len(result) == 2:
+                    args, kwargs = result
+                else:
+                    raise RuntimeError(f"{func} must return None or a tuple of (new_args, new_kwargs), "
+                                       f"but got {result}.")
+        out = func(*args, **kwargs)
+        self._optimizer_step_code()
+        for post_hook in itertools.chain(self._optimizer_step_post_hooks.values(), _global_post_hooks.values()):
+            post_hook(self, args, kwargs)
+        return out
+    step.hooked = True
+    return step
+
+
+_SnackAdamStep.step = _hooked_step(_SnackAdamStep.step)
 
 
 class Adam(_SnackAdamStep, torch.optim.Adam):

@@ -88,6 +88,65 @@ def test_step_hooks_run_once_per_step():
         handle.remove()
 
 
+def test_step_hooks_can_replace_arguments_and_subclasses_run_them_once():
+    # a pre hook returning (args, kwargs) replaces the step's arguments (here: adds a closure),
+    # as torch's hook runner does; a subclass with its own step (wrapped by torch) runs every
+    # hook once, its super().step() none
+    p = torch.zeros(3, requires_grad=True)
+    opt = snack.optim.Adam([p], lr=0.1)
+    seen = []
+
+    def closure():
+        seen.append("closure")
+        return torch.tensor(2.0)
+    opt.register_step_pre_hook(lambda o, args, kwargs: (args, {"closure": closure}))
+    p.grad = torch.ones(3)
+    assert float(opt.step()) == 2.0 and seen == ["closure"]
+    with pytest.raises(RuntimeError, match="must return None or a tuple"):
+        bad = snack.optim.Adam([p], lr=0.1)
+        bad.register_step_pre_hook(lambda *a: "nonsense")
+        bad.step()
+
+    class Mine(snack.optim.AdamW):
+        def step(self, closure=None):
+            calls.append("mine")
+            return super().step(closure)
+    calls = []
+    q = torch.zeros(3, requires_grad=True)
+    mine = Mine([q], lr=0.1)
+    mine.register_step_pre_hook(lambda *a: calls.append("pre"))
+    mine.register_step_post_hook(lambda *a: calls.append("post"))
+    ref = torch.zeros(3, requires_grad=True)
+    torch_opt = torch.optim.AdamW([ref], lr=0.1)
+    for _ in range(2):
+        q.grad, ref.grad = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([1.0, -2.0, 0.5])
+        mine.step()
+        torch_opt.step()
+    assert calls == ["pre", "mine", "post"] * 2
+    assert torch.equal(q, ref)
+
+
+def test_profiler_sees_the_step_and_zero_grad_labels():
+    # without a profiler the step and zero_grad skip torch's record_function (host time); with
+    # one they carry torch's labels, as torch's optimizers do
+    p = torch.zeros(4, requires_grad=True)
+    opt = snack.optim.Adam([p], lr=0.1)
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.zero_grad()
+    assert p.grad is None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        p.grad = torch.ones(4)
+        opt.step()
+        opt.zero_grad()
+    names = {e.key for e in prof.key_averages()}
+    assert "Optimizer.step#Adam.step" in names and "Optimizer.zero_grad#Adam.zero_grad" in names
+    assert p.grad is None
+    p.grad = torch.ones(4)
+    opt.zero_grad(set_to_none=False)  # torch's own: zeroed in place
+    assert p.grad is not None and torch.equal(p.grad, torch.zeros(4))
+
+
 def test_cpu_step_does_not_import_the_gpu_package():
     # on CPU parameters (simulator off) torch's step runs: importing snack.gpu (numba-cuda, about
     # half a second) on the first step would only slow down the first timed step
