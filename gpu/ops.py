@@ -51,10 +51,11 @@ capability >= 9.0, up to 8 groups, when every cluster fits on the GPU at once), 
 (the SDDMM's batch tiles too) each part is written to an fp32 buffer of its own and the parts
 are summed in order by one torch reduction.
 
-Host time: a spmm or spmm_t call like an earlier one on the same topology (operands of the same
-dtypes, shapes and devices, contiguous; default launch options; no `out=`) takes that call's
-plan straight away, without repeating the checks it passed (`FAST_PATH`; setting any attribute
-of this module, such as the knobs above, makes the next calls check and plan again).
+Host time: a spmm, spmm_t, sddmm or spmm_t_sddmm call like an earlier one on the same topology
+(operands of the same dtypes, shapes and devices, contiguous; the same bias_grad; default launch
+options; no `out=`) takes that call's plan straight away, without repeating the checks it passed
+(`FAST_PATH`; setting any attribute of this module, such as the knobs above, makes the next
+calls check and plan again).
 """
 from __future__ import annotations
 
@@ -381,8 +382,8 @@ def _perm32(topo: Topology) -> torch.Tensor:
     return p
 
 
-# `_spmm_op`'s fast path for calls like an earlier one (False: every call checked and planned,
-# for A/B runs of the host time).
+# The ops' fast path for calls like an earlier one (`_spmm_op`, `_pair_fast`; False: every call
+# checked and planned, for A/B runs of the host time).
 FAST_PATH = True
 # Any attribute of this module set from outside (a knob such as WIDE_OWN, or monkeypatch.setattr)
 # or by `wide_mode` changes `_generation`, part of the fast path's key (`_fast_key`): calls then
@@ -407,7 +408,8 @@ REBUILD.update({"seg": lambda t, key: _seg(t, *key[1:]),
                 "seg_order": lambda t, key: _seg_order(t, *key[1:]),
                 "rows_by_col_u16": lambda t, key: _rows_by_col(t),
                 "col_perm_i32": lambda t, key: _perm32(t),
-                "spmm_plan": None, "sddmm_plan": None, "fused_plan": None, "spmm_fast": None})
+                "spmm_plan": None, "sddmm_plan": None, "fused_plan": None, "spmm_fast": None,
+                "sddmm_fast": None, "fused_fast": None})
 
 _dummies = {}
 
@@ -924,20 +926,36 @@ def _check_bias(bias, n_out: int, dtype, device):
     return bias.contiguous()
 
 
+def _sig(t):
+    """(dtype, shape, device) of a contiguous torch tensor, or None (no fast path for it)."""
+    if isinstance(t, torch.Tensor) and t.is_contiguous():
+        return t.dtype, t.shape, t.device
+    return None
+
+
 def _fast_key(transposed, a, topo, values, bias):
     """The key of `_spmm_op`'s fast path for a call with the default launch options and no out=,
     or None when the call cannot take it (an operand not a contiguous torch tensor)."""
-    if not (isinstance(a, torch.Tensor) and isinstance(values, torch.Tensor) and isinstance(topo, Topology)
-            and a.is_contiguous() and values.is_contiguous()):
+    sa, sv = _sig(a), _sig(values)
+    b = None if bias is None else _sig(bias)
+    if sa is None or sv is None or (b is None and bias is not None) or not isinstance(topo, Topology):
         return None
-    if bias is None:
-        b = None
-    elif isinstance(bias, torch.Tensor) and bias.is_contiguous():
-        b = (bias.dtype, bias.shape, bias.device)
-    else:
-        return None
-    return ("spmm_fast", transposed, a.dtype, a.shape, a.device, values.dtype, values.shape, values.device, b,
-            torch.are_deterministic_algorithms_enabled(), _generation)
+    return ("spmm_fast", transposed, sa, sv, b, torch.are_deterministic_algorithms_enabled(), _generation)
+
+
+def _pair_fast(enabled, name, dy, x, topo, values, flag):
+    """(key, cached plan or None) of the fast path of sddmm (values None) and spmm_t_sddmm (see
+    `_spmm_op`); the key is None when the call cannot take it (options not the defaults, an
+    operand not a contiguous torch tensor)."""
+    if not (FAST_PATH and enabled):
+        return None, None
+    sd, sx = _sig(dy), _sig(x)
+    v = None if values is None else _sig(values)
+    if sd is None or sx is None or (v is None and values is not None) or not isinstance(topo, Topology) \
+            or type(flag) is not bool:
+        return None, None
+    key = (name, sd, sx, v, flag, torch.are_deterministic_algorithms_enabled(), _generation)
+    return key, topo.cache.get(key)
 
 
 def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, split, bias=None):
@@ -1038,9 +1056,14 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     """dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k], on the GPU; see the module docstring.
     With bias_grad=True returns (dv, db), db (out,) = sum_b dY[b, :] (dy's dtype, summed in fp32)
     computed by the same launch from the dY values it reads anyway."""
+    default_options = bt is None and threads == _THREADS and wide is None and chunks is None
+    fast, plan = _pair_fast(out is None and default_options, "sddmm_fast", dy, x, topo, None, bias_grad)
+    if plan is not None:
+        dv = torch.empty(topo.nnz, dtype=x.dtype, device=x.device)
+        return _launch_sddmm(plan, dy, x, dv, bias_grad, topo.shape[0])
     _check_pair(dy, x, topo)
     _check_flag("bias_grad", bias_grad)
-    if bt is not None or threads != _THREADS or wide is not None or chunks is not None:
+    if not default_options:
         _check_options(bt, threads, wide, chunks, None)
     n_out, n_in = topo.shape
     dv = _check_out(out, (topo.nnz,), x.dtype, x.device)
@@ -1073,6 +1096,14 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
         from snack.core.reference import sddmm_reference
         dv.copy_(sddmm_reference(dy.float(), x.float(), topo.indices))
         return done()
+    if fast is not None:
+        topo.cache[fast] = plan
+    return _launch_sddmm(plan, dy, x, dv, bias_grad, n_out)
+
+
+def _launch_sddmm(plan, dy, x, dv, bias_grad, n_out):
+    """Launches an SDDMM plan (`_sddmm_plan`) on contiguous dy and x into dv (and a new db);
+    returns (dv, db) with bias_grad, else dv."""
     bound, mode = plan
     db = torch.empty(n_out, dtype=dy.dtype, device=dy.device) if bias_grad else None
     if mode in ("atomic", "parts"):
@@ -1084,7 +1115,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     else:
         # "acc": fp32 partial sums across batch tiles (never aliased with dv: the simulator
         # copies each argument back separately)
-        acc = torch.empty(topo.nnz, dtype=torch.float32, device=x.device) if mode == "acc" else dummy_array(x.device)
+        acc = torch.empty(dv.numel(), dtype=torch.float32, device=x.device) if mode == "acc" else dummy_array(x.device)
         dbacc = torch.empty(n_out, dtype=torch.float32, device=x.device) if bias_grad and mode == "acc" else None
         kdv = as_kernel_array(dv)
         kdb = as_kernel_array(db) if bias_grad else _kind_dummy(x.device, _KIND[dy.dtype])
@@ -1216,9 +1247,15 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     column-major order (dY read once, no second staging); otherwise spmm_t (with `chunks` and
     `split`, which mean the same column chunks of dY there) and sddmm (its own defaults). Results
     have dy's dtype; x, dy, values: one dtype, on W's device."""
+    default_options = threads == _THREADS and chunks is None and split is None
+    fast, plan = _pair_fast(default_options and fused is None, "fused_fast", dy, x, topo, values, bias_grad)
+    if plan is False:  # not fused here: the two ops, each through its own fast path
+        return _unfused_backward(dy, x, topo, values, bias_grad)
+    if plan is not None:
+        return _launch_fused(plan, dy, x, topo, values, bias_grad)
     _check_pair(dy, x, topo)
     _check_flag("bias_grad", bias_grad)
-    if threads != _THREADS or chunks is not None or split is not None:
+    if not default_options:
         _check_options(None, threads, None, chunks, split)
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused must be None, True or False, got {fused!r}")
@@ -1233,14 +1270,26 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
                                    CLUSTER_SUMS, WIDE_RED4),
                             _build_fused_plan, batch, kind, topo.device, threads, chunks, split, bool(bias_grad),
                             mode)
+    if fast is not None:
+        topo.cache[fast] = False if plan is None else plan
     if plan is None:
-        dx = spmm_t(dy, topo, values, threads=threads, chunks=chunks, split=split)
-        res = sddmm(dy, x, topo, bias_grad=bias_grad, threads=threads)
-        return (dx,) + res if bias_grad else (dx, res)
+        return _unfused_backward(dy, x, topo, values, bias_grad, threads, chunks, split)
+    return _launch_fused(plan, dy.contiguous(), x.contiguous(), topo, values.contiguous(), bias_grad)
+
+
+def _unfused_backward(dy, x, topo, values, bias_grad, threads=_THREADS, chunks=None, split=None):
+    dx = spmm_t(dy, topo, values, threads=threads, chunks=chunks, split=split)
+    res = sddmm(dy, x, topo, bias_grad=bias_grad, threads=threads)
+    return (dx,) + res if bias_grad else (dx, res)
+
+
+def _launch_fused(plan, dy, x, topo, values, bias_grad):
+    """Launches a fused backward plan (`_build_fused_plan`) on contiguous dy, x and values:
+    (dX, dv, db) with bias_grad, else (dX, dv)."""
     dev = topo.device
-    dy = dy.contiguous()
-    x = x.contiguous()
-    values = values.contiguous()
+    batch = dy.shape[0]
+    n_out, n_in = topo.shape
+    kind = _plan_kind(dy.dtype, values.dtype)
     bound, sums = plan
     dx = torch.empty(batch, n_in, dtype=dy.dtype, device=dev)
     target = _partial_target(dx, sums, bound.grid[0], dev)

@@ -270,6 +270,57 @@ def test_fast_path_keeps_the_checks_and_follows_the_knobs(monkeypatch):
     assert len(_fast_entries(t)) == n + 3
 
 
+def _entries(topo, name):
+    return {k: v for k, v in topo.cache.items() if isinstance(k, tuple) and k[0] == name}
+
+
+@pytest.mark.parametrize("B", [3, 12])
+def test_backward_ops_take_the_fast_path(B, monkeypatch):
+    """sddmm and spmm_t_sddmm called like an earlier call go straight to its plan, as spmm does:
+    fresh inputs give fresh, right results (dv, db and, fused at B = 12, dX); the checked path is
+    not run again (patched to fail); bad input still gets its error; a new batch size is planned
+    anew."""
+    from snack.gpu import ops
+    coo = COO.random((13, 37), density=0.2, seed=5)
+    t, v = coo.topology, coo.values
+    g = torch.Generator().manual_seed(2)
+    fused = G.fuses_backward(B, t)
+    assert fused == (B == 12)
+    for call in range(3):
+        x, dy = torch.randn(B, 37, generator=g), torch.randn(B, 13, generator=g)
+        xd, dyd = x.double(), dy.double()
+        dv_ref = sddmm_reference(dyd, xd, t.indices)
+        dv, db = G.sddmm(dy, x, t, bias_grad=True)
+        dv2 = G.sddmm(dy, x, t)
+        dx3, dv3, db3 = G.spmm_t_sddmm(dy, x, t, v, bias_grad=True)
+        assert _rel(dv, dv_ref) < 1e-5 and _rel(dv2, dv_ref) < 1e-5 and _rel(dv3, dv_ref) < 1e-5
+        assert _rel(db, dyd.sum(0)) < 1e-5 and _rel(db3, dyd.sum(0)) < 1e-5
+        assert _rel(dx3, spmm_t_reference(dyd, t.indices, v.double(), 37)) < 1e-5
+        assert len(_entries(t, "sddmm_fast")) == 2  # with and without db
+        entry = list(_entries(t, "fused_fast").values())  # the plan, or False: the two ops
+        assert len(entry) == 1 and (entry[0] is not False) == fused
+        if call == 0:
+            def checked_path(*a, **k):
+                raise AssertionError("the checked path ran")
+            for name in ("_check_pair", "_sddmm_plan", "_cached_plan"):
+                monkeypatch.setitem(ops.__dict__, name, checked_path)
+            monkeypatch.setitem(ops.__dict__, "_check_common", checked_path)  # (spmm_t's)
+    monkeypatch.undo()
+    x, dy = torch.randn(B, 37), torch.randn(B, 13)
+    with pytest.raises(ValueError, match="dy must have 13 columns"):
+        G.sddmm(torch.randn(B, 12), x, t)
+    with pytest.raises(ValueError, match="same batch size"):
+        G.spmm_t_sddmm(dy, torch.randn(B + 1, 37), t, v)
+    with pytest.raises(TypeError, match="x has dtype"):
+        G.sddmm(dy, x.half(), t)
+    with pytest.raises(TypeError, match="bias_grad"):
+        G.sddmm(dy, x, t, bias_grad=1)
+    with pytest.raises(ValueError, match="values must have shape"):
+        G.spmm_t_sddmm(dy, x, t, v[:-1].contiguous())
+    G.sddmm(dy[:2].contiguous(), x[:2].contiguous(), t)
+    assert len(_entries(t, "sddmm_fast")) == 3
+
+
 @pytest.mark.parametrize("B,kw", [(8, {}), (20, dict(wide=True, chunks=2))])
 def test_cached_plans_follow_a_topology_refreshed_in_place(B, kw):
     """After every op ran (plans and arrays cached), a new pattern with the same nnz is written
