@@ -27,7 +27,10 @@ It measures
                time and the peak memory use Adam(capturable=False), torch's default and what
                a user's eager loop runs; the graph time and the energy use capturable=True,
                which capture needs (its step count lives on the GPU; torch's Adam then costs
-               more per step). The CSV's adam_capturable column says so per row
+               more per step). The CSV's adam_capturable column says so per row.
+               --backward_thread caller runs every method's backward on the calling thread
+               (torch.autograd.set_multithreading_enabled(False)) instead of autograd's
+               worker thread for the GPU, where a Python backward (SNACK's) waits for the GIL
     infer      forward under torch.no_grad()
 as eager time (triton.testing.do_bench: median, L2 flushed; what a user's call costs,
 host overhead included), CUDA-graph time (the whole step captured in torch.cuda.graph, replays
@@ -102,6 +105,10 @@ def parse_args(argv=None):
     p.add_argument("--autocast", default="off", choices=["off", "bfloat16", "float16"],
                    help="run every method's forward under torch.autocast with this dtype (weights and "
                         "Adam stay float32)")
+    p.add_argument("--backward_thread", default="device", choices=["device", "caller"],
+                   help="where every method's training step runs its backward: autograd's worker "
+                        "thread for the GPU (torch's default) or the calling thread "
+                        "(torch.autograd.set_multithreading_enabled(False))")
     p.add_argument("--cold_l2", action="store_true",
                    help="also time every captured step with a cold L2 (GPU only): a graph of copies of "
                         "the step, each after a 256 MB read, minus a graph of the reads alone "
@@ -111,8 +118,8 @@ def parse_args(argv=None):
                    help="small layer, few repeats: a smoke test (explicit sizes still win)")
     p.add_argument("--out", default=None,
                    help="CSV path (default results/bench_layer[_cpu][_adam_fused|_snack_adam]"
-                        "[_autocast_<dtype>].csv: a run with another optimizer or autocast keeps the "
-                        "default run's CSV)")
+                        "[_autocast_<dtype>][_backward_caller].csv: a run with another optimizer, "
+                        "autocast or backward thread keeps the default run's CSV)")
     args = p.parse_args(argv)
     fill_unset(args, QUICK if args.quick else DEFAULTS)
     if args.cold_l2 and args.device != "cuda":
@@ -129,7 +136,8 @@ def parse_args(argv=None):
     if args.out is None:
         name = "bench_layer" + ("" if args.device == "cuda" else "_cpu") + \
             ("" if args.optimizer == "adam" else "_" + args.optimizer.replace("-", "_")) + \
-            ("" if args.autocast == "off" else f"_autocast_{args.autocast}") + ".csv"
+            ("" if args.autocast == "off" else f"_autocast_{args.autocast}") + \
+            ("" if args.backward_thread == "device" else "_backward_caller") + ".csv"
         args.out = str(ROOT / "results" / name)
     return args
 
@@ -199,22 +207,28 @@ def autocast_context(device: torch.device, amp: Optional[torch.dtype]):
 
 
 def make_step(model: nn.Module, phase: str, x: torch.Tensor, dy: torch.Tensor,
-              opt: Optional[torch.optim.Optimizer], amp: Optional[torch.dtype] = None) -> Callable[[], torch.Tensor]:
+              opt: Optional[torch.optim.Optimizer], amp: Optional[torch.dtype] = None,
+              backward_thread: str = "device") -> Callable[[], torch.Tensor]:
     """train: zero grads, y = model(x), y.backward(dy) (dX and the weight gradient), opt.step();
     infer: y = model(x) under no_grad. Returns y (the forward output) either way. With amp (a
-    half dtype) the forward runs under torch.autocast with it."""
+    half dtype) the forward runs under torch.autocast with it. backward_thread "caller" runs the
+    backward on the calling thread (torch.autograd.set_multithreading_enabled(False)) instead of
+    autograd's worker thread for the GPU (torch's default, "device")."""
     if phase == "infer":
         def infer():
             with torch.no_grad(), autocast_context(x.device, amp):
                 return model(x)
         return infer
+    threads = (torch.autograd.set_multithreading_enabled if backward_thread == "caller"
+               else lambda enabled: contextlib.nullcontext())
 
     def train():
         opt.zero_grad(set_to_none=True)
         x.grad = None
         with autocast_context(x.device, amp):
             y = model(x)
-        y.backward(dy)
+        with threads(False):
+            y.backward(dy)
         opt.step()
         return y
     return train
@@ -399,7 +413,7 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
     x = torch.randn(B, ref.in_features, device=device, generator=g, requires_grad=phase == "train")
     dy = torch.randn(B, ref.out_features, device=device, generator=g, dtype=amp or torch.float32)
     opt = make_adam(model, args) if phase == "train" else None
-    fn = make_step(model, phase, x, dy, opt, amp)
+    fn = make_step(model, phase, x, dy, opt, amp, args.backward_thread)
     for _ in range(2):
         fn()
     if device.type == "cuda":
@@ -413,7 +427,7 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
         if phase == "train":   # a capturable optimizer for the graph (its state on the device)
             del opt
             opt = make_adam(model, args, capturable=True)
-            fn = make_step(model, phase, x, dy, opt, amp)
+            fn = make_step(model, phase, x, dy, opt, amp, args.backward_thread)
         try:
             gr, out = capture(fn)
             with torch.no_grad(), autocast_context(device, amp):
@@ -523,7 +537,8 @@ def main(argv=None) -> List[dict]:
                       f"{r['graph_check']}", file=sys.stderr, flush=True)
     add_ratios(rows)
     common = dict(in_features=args.in_features, out_features=args.out_features, sparsity=args.sparsity,
-                  nnz=ref.nnz, dtype="float32", autocast=args.autocast, optimizer=args.optimizer, **env)
+                  nnz=ref.nnz, dtype="float32", autocast=args.autocast, optimizer=args.optimizer,
+                  backward_thread=args.backward_thread, **env)
     rows = [{**common, **r} for r in rows]
     print_table(rows, env, args)
     out = write_csv(args.out, [{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}

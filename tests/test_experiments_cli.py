@@ -186,11 +186,33 @@ def test_bench_kernels_half_dtypes_write_their_own_csv():
     from experiments import bench_layer as bl
     names = {tuple(a): Path(bl.parse_args(a).out).name for a in
              ([], ["--optimizer", "adam-fused"], ["--optimizer", "snack-adam", "--autocast", "bfloat16"],
-              ["--device", "cpu"])}
+              ["--device", "cpu"], ["--optimizer", "snack-adam", "--backward_thread", "caller"])}
     assert names == {(): "bench_layer.csv", ("--optimizer", "adam-fused"): "bench_layer_adam_fused.csv",
                      ("--optimizer", "snack-adam", "--autocast", "bfloat16"):
                          "bench_layer_snack_adam_autocast_bfloat16.csv",
-                     ("--device", "cpu"): "bench_layer_cpu.csv"}
+                     ("--device", "cpu"): "bench_layer_cpu.csv",
+                     ("--optimizer", "snack-adam", "--backward_thread", "caller"):
+                         "bench_layer_snack_adam_backward_caller.csv"}
+
+
+def test_bench_layer_backward_on_the_calling_thread(tmp_path):
+    """--backward_thread caller runs each training step's backward with autograd's multithreading
+    off (and only the backward: it is on again after the step); the CSV says so."""
+    from experiments import bench_layer as b
+    layer = b.build("snack", b.snack.SparseLinear(16, 8, sparsity=0.5), torch.zeros(8, 16))
+    x, dy = torch.randn(3, 16, requires_grad=True), torch.randn(3, 8)
+    seen = []
+    layer.register_full_backward_hook(lambda *a: seen.append(torch._C._is_multithreading_enabled()))
+    opt = torch.optim.Adam(layer.parameters())
+    for thread, want in (("caller", False), ("device", True)):
+        b.make_step(layer, "train", x, dy, opt, backward_thread=thread)()
+        assert seen.pop() is want and torch._C._is_multithreading_enabled()
+    out = tmp_path / "layer.csv"
+    rows = b.main(["--device", "cpu", "--quick", "--batches", "2", "--rep_ms", "5", "--methods", "snack,dense",
+                   "--backward_thread", "caller", "--out", str(out)])
+    assert all(r["backward_thread"] == "caller" and float(r["eager_us"]) > 0 for r in rows)
+    with open(out, newline="") as f:
+        assert {r["backward_thread"] for r in csv.DictReader(f)} == {"caller"}
 
 
 def test_bench_layer_autocast_on_the_cpu(tmp_path):
