@@ -11,6 +11,7 @@
 #   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2 | bench-gpt2-rest   (the other CSVs REPRODUCTION.md cites)
 #   make bench-bf16                               # half precision: kernels in bfloat16, the layer under autocast
 #   make bench-cold                               # the kernels' forward and the layer with a cold L2 beside a warm one
+#   make bench-layer-backward-caller              # the layer's eager step with every backward on the calling thread
 #   make targets                                  # every target of the kernels and the layer: met or not, from results/*.csv  (H200, cold L2, H100)
 #   make -j2 mnist-recipe [DIST=erk]              # LeNet-300-100 with sparse_learning's recipe, dense / SET / RigL
 
@@ -43,6 +44,7 @@ LAYER_BF16_FIG       := papers/fig_layer_autocast_bf16.png
 COLD_CSV             := results/bench_cold.csv
 COLD_FIG             := papers/fig_kernels_cold.png
 LAYER_COLD_CSV       := results/bench_layer_snack_adam_cold_l2.csv
+LAYER_CALLER_CSV     := results/bench_layer_snack_adam_backward_caller.csv
 LAYER_COLD_FIG       := papers/fig_layer_snack_adam_cold_l2.png
 # Their figures, redrawn by `make figures` too: plot script : CSV : figure : the target measuring it.
 MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-layer-snack-adam \
@@ -52,7 +54,7 @@ MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-lay
                 layer:$(LAYER_BF16_CSV):$(LAYER_BF16_FIG):bench-bf16 \
                 layer:$(LAYER_COLD_CSV):$(LAYER_COLD_FIG):bench-cold
 
-.PHONY: help install test test-gpu demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest bench-bf16 bench-cold figures targets figure-mnist \
+.PHONY: help install test test-gpu demo demo-quick demo-ddp bench bench-cpu bench-kernels-gpt2 bench-gpt2-rest bench-bf16 bench-cold bench-layer-backward-caller figures targets figure-mnist \
         figure-layer-snack-adam figure-gpt2-b1 clean-cache
 
 help:
@@ -157,6 +159,11 @@ bench-cold:
 	$(PY) experiments/plot_kernels.py --cold --markdown --csv $(COLD_CSV)
 	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --cold_l2 --out $(LAYER_COLD_CSV)
 	$(PY) experiments/plot_layer.py --csv $(LAYER_COLD_CSV) --out $(LAYER_COLD_FIG)
+
+# The layer's eager training step with every method's backward on the calling thread
+# (torch.autograd.set_multithreading_enabled(False)), SNACK and dense, snack.optim.Adam (GPU).
+bench-layer-backward-caller:
+	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --methods snack,dense --backward_thread caller --out $(LAYER_CALLER_CSV)
 
 # Claim 7 (GPU): GPT-2 with 1 x 128 training tokens per step.
 figure-gpt2-b1:
