@@ -5,12 +5,17 @@
 
 Drop-in subclasses of `torch.optim.Adam` / `torch.optim.AdamW`: same hyper-parameters, same
 state (`step`, `exp_avg`, `exp_avg_sq`), same `state_dict`, so checkpoints move between them and
-torch's, and `snack.dst` keeps the moments of surviving connections as with torch's Adam. Only
-`step()` differs: the float32 CUDA parameters of a group are updated two per kernel launch (a
+torch's, and `snack.dst` keeps the moments of surviving connections as with torch's Adam. What
+`step()` does differs: the float32 CUDA parameters of a group are updated two per kernel launch (a
 layer's values and bias: one launch) by a kernel whose grid fills the GPU and which also advances
 their step counts (`snack.gpu.adam_steps`). PyTorch's foreach and
 fused implementations give each block a 65536-element chunk, which leaves most of the GPU idle
 on a sparse layer's values (1.7 M of them at 4096 x 4096 and 90 % sparsity).
+
+Host time: the step runs torch's step hooks itself (global and per-optimizer pre and post hooks,
+as torch's wrapper does) and opens torch's profiler label around them only while a profiler
+runs; `zero_grad()` with set_to_none=True (the default) sets the gradients to None in a plain
+loop, without that label either. Together ~15 us less host time per training step on the CPU.
 
 The step is capturable in a CUDA graph whatever `capturable` says (the step counts live on the
 parameters' device), as long as the state exists before capture (one eager step), as with
