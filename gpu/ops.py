@@ -382,11 +382,11 @@ def _perm32(topo: Topology) -> torch.Tensor:
     return p
 
 
-# The ops' fast path for calls like an earlier one (`_spmm_op`, `_pair_fast`; False: every call
+# The ops' fast path for calls like an earlier one (`_fast_lookup`; False: every call
 # checked and planned, for A/B runs of the host time).
 FAST_PATH = True
 # Any attribute of this module set from outside (a knob such as WIDE_OWN, or monkeypatch.setattr)
-# or by `wide_mode` changes `_generation`, part of the fast path's key (`_fast_key`): calls then
+# or by `wide_mode` changes `_generation`, part of the fast path's key (`_fast_lookup`): calls then
 # plan again under the knobs' new values.
 _generation = 0
 
@@ -933,28 +933,21 @@ def _sig(t):
     return None
 
 
-def _fast_key(transposed, a, topo, values, bias):
-    """The key of `_spmm_op`'s fast path for a call with the default launch options and no out=,
-    or None when the call cannot take it (an operand not a contiguous torch tensor)."""
-    sa, sv = _sig(a), _sig(values)
-    b = None if bias is None else _sig(bias)
-    if sa is None or sv is None or (b is None and bias is not None) or not isinstance(topo, Topology):
-        return None
-    return ("spmm_fast", transposed, sa, sv, b, torch.are_deterministic_algorithms_enabled(), _generation)
-
-
-def _pair_fast(enabled, name, dy, x, topo, values, flag):
-    """(key, cached plan or None) of the fast path of sddmm (values None) and spmm_t_sddmm (see
-    `_spmm_op`); the key is None when the call cannot take it (options not the defaults, an
-    operand not a contiguous torch tensor)."""
-    if not (FAST_PATH and enabled):
+def _fast_lookup(enabled, topo, name, flag, a, b, c=None):
+    """(key, cached entry or None) of the ops' fast path for op `name` with `flag` (spmm: whether
+    transposed; sddmm and spmm_t_sddmm: bias_grad): the signatures of its operands a and b and of
+    c when given (spmm: x or dy, values, bias; sddmm: dy, x; spmm_t_sddmm: dy, x, values), the
+    deterministic-algorithms flag and this module's `_generation`. The key is None when the call
+    cannot take the fast path (not `enabled`: options not the defaults or an out=; an operand not
+    a contiguous torch tensor). Entries are written only by calls that passed the checks, so a
+    key made from bad input finds nothing and the call takes the checked path."""
+    if not (FAST_PATH and enabled and isinstance(topo, Topology)):
         return None, None
-    sd, sx = _sig(dy), _sig(x)
-    v = None if values is None else _sig(values)
-    if sd is None or sx is None or (v is None and values is not None) or not isinstance(topo, Topology) \
-            or type(flag) is not bool:
+    sa, sb = _sig(a), _sig(b)
+    sc = None if c is None else _sig(c)
+    if sa is None or sb is None or (sc is None and c is not None):
         return None, None
-    key = (name, sd, sx, v, flag, torch.are_deterministic_algorithms_enabled(), _generation)
+    key = (name, flag, sa, sb, sc, torch.are_deterministic_algorithms_enabled(), _generation)
     return key, topo.cache.get(key)
 
 
@@ -962,20 +955,16 @@ def _spmm_op(name, a, topo, values, out, transposed, bt, threads, wide, chunks, 
     """Shared body of spmm (a = x, W) and spmm_t (a = dy, W^T): validate, allocate, launch.
 
     Fast path: a call with the default launch options and no out= whose operands match an
-    earlier call's in dtype, shape, device and contiguity (`_fast_key`, which also holds the
-    deterministic-algorithms flag and this module's `_generation`) passed the same checks then,
-    so it goes straight to that call's plan: a few microseconds less host time per call."""
-    fast = None
+    earlier call's in dtype, shape, device and contiguity (`_fast_lookup`, whose key also holds
+    the deterministic-algorithms flag and this module's `_generation`) passed the same checks
+    then, so it goes straight to that call's plan: a few microseconds less host time per call."""
     default_options = bt is None and threads == _THREADS and wide is None and chunks is None and split is None
-    if FAST_PATH and out is None and default_options:
-        fast = _fast_key(transposed, a, topo, values, bias)
-        if fast is not None:
-            hit = topo.cache.get(fast)
-            if hit is not None:
-                plan, kind, n_res = hit
-                res = torch.empty(a.shape[0], n_res, dtype=a.dtype, device=a.device)
-                _launch_spmm(plan, kind, a, values, res, bias, a.device)
-                return res
+    fast, hit = _fast_lookup(out is None and default_options, topo, "spmm_fast", transposed, a, values, bias)
+    if hit is not None:
+        plan, kind, n_res = hit
+        res = torch.empty(a.shape[0], n_res, dtype=a.dtype, device=a.device)
+        _launch_spmm(plan, kind, a, values, res, bias, a.device)
+        return res
     _check_topo(topo)
     if not default_options:
         _check_options(bt, threads, wide, chunks, split)
@@ -1057,7 +1046,8 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     With bias_grad=True returns (dv, db), db (out,) = sum_b dY[b, :] (dy's dtype, summed in fp32)
     computed by the same launch from the dY values it reads anyway."""
     default_options = bt is None and threads == _THREADS and wide is None and chunks is None
-    fast, plan = _pair_fast(out is None and default_options, "sddmm_fast", dy, x, topo, None, bias_grad)
+    fast, plan = _fast_lookup(out is None and default_options and type(bias_grad) is bool, topo,
+                              "sddmm_fast", bias_grad, dy, x)
     if plan is not None:
         dv = torch.empty(topo.nnz, dtype=x.dtype, device=x.device)
         return _launch_sddmm(plan, dy, x, dv, bias_grad, topo.shape[0])
@@ -1248,7 +1238,8 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     `split`, which mean the same column chunks of dY there) and sddmm (its own defaults). Results
     have dy's dtype; x, dy, values: one dtype, on W's device."""
     default_options = threads == _THREADS and chunks is None and split is None
-    fast, plan = _pair_fast(default_options and fused is None, "fused_fast", dy, x, topo, values, bias_grad)
+    fast, plan = _fast_lookup(default_options and fused is None and type(bias_grad) is bool, topo,
+                              "fused_fast", bias_grad, dy, x, values)
     if plan is False:  # not fused here: the two ops, each through its own fast path
         return _unfused_backward(dy, x, topo, values, bias_grad)
     if plan is not None:
