@@ -195,12 +195,18 @@ class _SnackAdamStep:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's (see torch.optim.Optimizer.zero_grad); with set_to_none (the default) and no
         profiler running, a plain loop, without the profiler label torch's opens (~7 us)."""
-        if not set_to_none or torch._C._autograd._profiler_enabled() or torch.compiler.is_compiling():
+        if not set_to_none or _labelled():
             return super().zero_grad(set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad = None
+
+
+def _labelled() -> bool:
+    """Whether the step and zero_grad take torch's own paths, with its profiler labels: while a
+    profiler runs, or under torch.compile."""
+    return torch._C._autograd._profiler_enabled() or torch.compiler.is_compiling()
 
 
 def _hooked_step(func):
@@ -216,7 +222,7 @@ def _hooked_step(func):
         self = args[0]
         if type(self).step is not step:
             return func(*args, **kwargs)
-        if torch._C._autograd._profiler_enabled() or torch.compiler.is_compiling():
+        if _labelled():
             return torch.optim.Optimizer.profile_hook_step(func)(*args, **kwargs)
         for pre_hook in itertools.chain(_global_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
             result = pre_hook(self, args, kwargs)
