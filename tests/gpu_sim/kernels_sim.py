@@ -191,8 +191,9 @@ def test_deep_copy_of_a_matrix_whose_plans_are_cached():
         assert torch.equal(a, b)
 
 
-def _fast_entries(topo):
-    return {k: v for k, v in topo.cache.items() if isinstance(k, tuple) and k[0] == "spmm_fast"}
+def _entries(topo, name):
+    """The fast path's entries of op `name` in a topology's cache."""
+    return {k: v for k, v in topo.cache.items() if isinstance(k, tuple) and k[0] == name}
 
 
 @pytest.mark.parametrize("dtype,vdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -217,7 +218,7 @@ def test_repeated_calls_take_the_fast_path(dtype, vdtype, monkeypatch):
                          (dx, spmm_t_reference(dyd, t.indices, vd, 37))):
             assert got.dtype == dtype and _rel(got, ref) < TOL[dtype]
         outs.append(y)
-        assert len(_fast_entries(t)) == 3  # forward, forward with a bias, transposed
+        assert len(_entries(t, "spmm_fast")) == 3  # forward, forward with a bias, transposed
         if call == 0:  # from the second call on the checked path would fail (the module's dict
             # is patched directly: setting an attribute of ops would start a new generation)
             def checked_path(*a, **k):
@@ -229,7 +230,7 @@ def test_repeated_calls_take_the_fast_path(dtype, vdtype, monkeypatch):
         G.spmm(torch.randn(2, 37).to(dtype), t, v)
     monkeypatch.undo()
     G.spmm(torch.randn(2, 37).to(dtype), t, v)
-    assert len(_fast_entries(t)) == 4
+    assert len(_entries(t, "spmm_fast")) == 4
 
 
 def test_fast_path_keeps_the_checks_and_follows_the_knobs(monkeypatch):
@@ -254,24 +255,20 @@ def test_fast_path_keeps_the_checks_and_follows_the_knobs(monkeypatch):
         G.spmm(x, t, v, bias=torch.randn(11))
     wide = torch.randn(4, 60)[:, ::2]  # not contiguous
     assert _rel(G.spmm(wide, t, v), spmm_reference(wide.double(), t.indices, v.double(), 12)) < 1e-5
-    n, gen = len(_fast_entries(t)), ops._generation
+    n, gen = len(_entries(t, "spmm_fast")), ops._generation
     monkeypatch.setattr(ops, "PARTIAL_SUMS", "parts")
     assert ops._generation != gen
     assert torch.allclose(G.spmm(x, t, v), want, rtol=1e-5, atol=1e-6)
-    assert len(_fast_entries(t)) == n + 1
+    assert len(_entries(t, "spmm_fast")) == n + 1
     with ops.wide_mode("rows4"):
         assert torch.allclose(G.spmm(x, t, v), want, rtol=1e-5, atol=1e-6)
-    assert len(_fast_entries(t)) == n + 2
+    assert len(_entries(t, "spmm_fast")) == n + 2
     torch.use_deterministic_algorithms(True)
     try:
         assert torch.allclose(G.spmm(x, t, v), want, rtol=1e-5, atol=1e-6)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert len(_fast_entries(t)) == n + 3
-
-
-def _entries(topo, name):
-    return {k: v for k, v in topo.cache.items() if isinstance(k, tuple) and k[0] == name}
+    assert len(_entries(t, "spmm_fast")) == n + 3
 
 
 @pytest.mark.parametrize("B", [3, 12])
