@@ -76,6 +76,9 @@ DEFAULTS = dict(
     train_limit=0,            # use the first N training examples (0: all 60000)
     test_limit=0,             # use the first N test examples (0: all 10000)
     threads=0,                # torch CPU threads (0: torch's default)
+    backward_thread="caller", # caller | device: where autograd runs the backward on a GPU: this thread
+                              # (torch.autograd.set_multithreading_enabled(False), faster for small
+                              # eager steps) or torch's worker thread per device (its default)
     progress=True,            # tqdm bars
     out_dir="results",        # train_mnist.csv and train_mnist.json go here
     save=True,                # also <out_dir>/train_mnist_<model>.pt: each trained model (load_trained reads it)
@@ -137,6 +140,8 @@ def _validate(cfg: dict) -> None:
         raise ValueError(f"dst_end must be in (0, 1], got {cfg['dst_end']}")
     if cfg["optimizer"] not in ("adam", "sgd"):
         raise ValueError(f"optimizer must be 'adam' or 'sgd', got {cfg['optimizer']!r}")
+    if cfg["backward_thread"] not in ("caller", "device"):
+        raise ValueError(f"backward_thread must be 'caller' or 'device', got {cfg['backward_thread']!r}")
     if cfg["device"] not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {cfg['device']!r}")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
@@ -460,7 +465,8 @@ def main(argv=None) -> list:
     decay = f" x{cfg['lr_decay']} every {cfg['lr_decay_every']} steps" if cfg["lr_decay_every"] else ""
     print(f"train_mnist: {cfg['dataset']} LeNet-300-100, dense vs snack.SparseLinear at sparsity "
           f"{cfg['sparsity']} ({cfg['distribution']}{dst}), {cfg['epochs']} epoch(s), batch {cfg['batch_size']}, "
-          f"{cfg['optimizer']} lr {cfg['lr']}{decay}, on {env['device']} ({env['device_name']}, "
+          f"{cfg['optimizer']} lr {cfg['lr']}{decay}, on {env['device']} ({env['device_name']}, backward on the "
+          f"{'calling thread' if cfg['backward_thread'] == 'caller' else 'worker thread per device'}, "
           f"{env['cpu_threads']} CPU threads), sparse backend '{env['sparse_backend']}', torch {env['torch']}, "
           f"commit {env['git_commit'] or '?'}", flush=True)
 
@@ -472,9 +478,13 @@ def main(argv=None) -> list:
     init = lenet_300_100()
     make_cublas_workspaces(device)  # (kept for the process: not charged to the first model's peak)
     rows = []
-    for kind in [m.strip() for m in cfg["models"].split(",") if m.strip()]:
-        row = train_one(kind, init, (x_train, y_train, x_test, y_test), cfg, device)
-        rows.append({**row, **{k: env[k] for k in ("device", "device_name", "sparse_backend", "torch", "git_commit")}})
+    # SparseLinear's backward is Python: on autograd's worker thread for the GPU it must take the
+    # GIL from this thread, which costs host time at every small step (README, "snack.optim")
+    with torch.autograd.set_multithreading_enabled(cfg["backward_thread"] == "device"):
+        for kind in [m.strip() for m in cfg["models"].split(",") if m.strip()]:
+            row = train_one(kind, init, (x_train, y_train, x_test, y_test), cfg, device)
+            rows.append({**row, **{k: env[k] for k in ("device", "device_name", "sparse_backend", "torch",
+                                                       "git_commit")}})
 
     print()
     print_table(rows)

@@ -162,11 +162,32 @@ def test_config_overrides():
     (["--optimizer=sgd", "--momentum=0", "--nesterov"], "nesterov needs optimizer=sgd with momentum > 0"),
     (["--lr_decay_every=-1"], "lr_decay_every must be >= 0"),
     (["--lr_decay=0"], "lr_decay must be in"),
+    (["--backward_thread=gpu"], "backward_thread must be 'caller' or 'device'"),
 ])
 def test_bad_config_raises(argv, match):
     from experiments import train_mnist as tm
     with pytest.raises(ValueError, match=match):
         tm.parse_config(argv)
+
+
+@pytest.mark.parametrize("thread", ["caller", "device"])
+def test_backward_thread_reaches_every_backward_and_is_restored(tmp_path, monkeypatch, thread):
+    import torch.nn.functional as F
+    from experiments import train_mnist as tm
+    seen, loss_fn = [], F.cross_entropy
+
+    def cross_entropy(*args, **kwargs):  # records autograd's threading where the backward runs
+        loss = loss_fn(*args, **kwargs)
+        loss.register_hook(lambda g: seen.append(torch._C._is_multithreading_enabled()))
+        return loss
+
+    monkeypatch.setattr(F, "cross_entropy", cross_entropy)
+    tm.main(["--models=sparse", "--epochs=1", "--batch_size=64", "--train_limit=128", "--test_limit=64",
+             f"--backward_thread={thread}", "--save=false", "--progress=false", "--device=cpu",
+             f"--out_dir={tmp_path}"])
+    # warm-up (B = 64) and two training steps, each with the setting asked for; torch's default after
+    assert seen == [thread == "device"] * 3
+    assert torch._C._is_multithreading_enabled()
 
 
 def test_summary_line_pairs_models_by_name_in_either_order(capsys):
