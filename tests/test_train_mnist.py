@@ -190,6 +190,23 @@ def test_backward_thread_reaches_every_backward_and_is_restored(tmp_path, monkey
     assert torch._C._is_multithreading_enabled()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("thread", ["caller", "device"])
+def test_quick_run_on_the_gpu_learns_truly_sparse(tmp_path, thread):
+    """The main job on CUDA, the backward on either thread: both models learn, the sparse model's
+    layers run SNACK's GPU backend and its training state and peak memory stay below dense's."""
+    from experiments import train_mnist as tm
+    rows = {r["model"]: r for r in tm.main(["--quick", "--device=cuda", f"--backward_thread={thread}",
+                                            "--progress=false", "--save=false", f"--out_dir={tmp_path}"])}
+    for name, r in rows.items():
+        assert r["device"].startswith("cuda") and r["test_acc"] > 0.5, (name, r["test_acc"])
+        assert r["final_train_loss"] < 2.0 and r["peak_source"] == "torch.cuda.max_memory_allocated"
+    dense, sparse = rows["dense"], rows["sparse"]
+    assert sparse["sparse_backend"] == "gpu"
+    assert sparse["state_bytes"] < 0.5 * dense["state_bytes"] and sparse["peak_bytes"] < dense["peak_bytes"]
+    assert abs(sparse["connections"] - 26620) <= 3
+
+
 def test_summary_line_pairs_models_by_name_in_either_order(capsys):
     from experiments import train_mnist as tm
     base = dict(sparsity=0.0, params=10, connections=10, train_time_s=2.0, ms_per_step=1.0, weight_bytes=1,
