@@ -463,10 +463,12 @@ def main(argv=None) -> list:
     env = environment(device)
     dst = "" if cfg["dst"] == "none" else f", dynamic sparse training: {cfg['dst']}"
     decay = f" x{cfg['lr_decay']} every {cfg['lr_decay_every']} steps" if cfg["lr_decay_every"] else ""
+    # (a CPU backward always runs on the calling thread)
+    threads = ("backward on autograd's worker thread, " if device.type != "cpu" and cfg["backward_thread"] == "device"
+               else "backward on the calling thread, ")
     print(f"train_mnist: {cfg['dataset']} LeNet-300-100, dense vs snack.SparseLinear at sparsity "
           f"{cfg['sparsity']} ({cfg['distribution']}{dst}), {cfg['epochs']} epoch(s), batch {cfg['batch_size']}, "
-          f"{cfg['optimizer']} lr {cfg['lr']}{decay}, on {env['device']} ({env['device_name']}, backward on the "
-          f"{'calling thread' if cfg['backward_thread'] == 'caller' else 'worker thread per device'}, "
+          f"{cfg['optimizer']} lr {cfg['lr']}{decay}, on {env['device']} ({env['device_name']}, {threads}"
           f"{env['cpu_threads']} CPU threads), sparse backend '{env['sparse_backend']}', torch {env['torch']}, "
           f"commit {env['git_commit'] or '?'}", flush=True)
 

@@ -938,10 +938,10 @@ def _fast_lookup(enabled, topo, name, flag, a, b, c=None):
     transposed; sddmm and spmm_t_sddmm: bias_grad): the signatures of its operands a and b and of
     c when given (spmm: x or dy, values, bias; sddmm: dy, x; spmm_t_sddmm: dy, x, values), the
     deterministic-algorithms flag and this module's `_generation`. The key is None when the call
-    cannot take the fast path (not `enabled`: options not the defaults or an out=; an operand not
-    a contiguous torch tensor). Entries are written only by calls that passed the checks, so a
+    cannot take the fast path (not `enabled`: options not the defaults or an out=; `flag` not a
+    bool; an operand not a contiguous torch tensor). Entries are written only by calls that passed the checks, so a
     key made from bad input finds nothing and the call takes the checked path."""
-    if not (FAST_PATH and enabled and isinstance(topo, Topology)):
+    if not (FAST_PATH and enabled and type(flag) is bool and isinstance(topo, Topology)):
         return None, None
     sa, sb = _sig(a), _sig(b)
     sc = None if c is None else _sig(c)
@@ -1046,8 +1046,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     With bias_grad=True returns (dv, db), db (out,) = sum_b dY[b, :] (dy's dtype, summed in fp32)
     computed by the same launch from the dY values it reads anyway."""
     default_options = bt is None and threads == _THREADS and wide is None and chunks is None
-    fast, plan = _fast_lookup(out is None and default_options and type(bias_grad) is bool, topo,
-                              "sddmm_fast", bias_grad, dy, x)
+    fast, plan = _fast_lookup(out is None and default_options, topo, "sddmm_fast", bias_grad, dy, x)
     if plan is not None:
         dv = torch.empty(topo.nnz, dtype=x.dtype, device=x.device)
         return _launch_sddmm(plan, dy, x, dv, bias_grad, topo.shape[0])
@@ -1238,8 +1237,7 @@ def spmm_t_sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, values: torc
     `split`, which mean the same column chunks of dY there) and sddmm (its own defaults). Results
     have dy's dtype; x, dy, values: one dtype, on W's device."""
     default_options = threads == _THREADS and chunks is None and split is None
-    fast, plan = _fast_lookup(default_options and fused is None and type(bias_grad) is bool, topo,
-                              "fused_fast", bias_grad, dy, x, values)
+    fast, plan = _fast_lookup(default_options and fused is None, topo, "fused_fast", bias_grad, dy, x, values)
     if plan is False:  # not fused here: the two ops, each through its own fast path
         return _unfused_backward(dy, x, topo, values, bias_grad)
     if plan is not None:
