@@ -17,7 +17,9 @@ Run without torchrun it trains in one process.
 
 Options (--key=value): epochs, batch_size (global), lr, sparsity, distribution (erk/uniform),
 dst (rigl/set/none), update_every, drop_fraction, train_limit (0: all 60000), seed, device
-(auto/cpu), progress, out_dir (rank 0 writes <out_dir>/train_ddp.json: config, environment, per-epoch
+(auto/cpu), backward_thread (caller/device: on a GPU, where autograd runs each backward: this
+thread, `torch.autograd.set_multithreading_enabled(False)`, as train_mnist.py does by default, or
+autograd's worker thread for the GPU; one GPU per rank either way), progress, out_dir (rank 0 writes <out_dir>/train_ddp.json: config, environment, per-epoch
 loss / accuracy / agreement; and, unless --save=false, the trained model to
 <out_dir>/train_ddp_model.pt, which `experiments.train_mnist.load_trained` reads), quick (1 epoch on 4000 examples, update_every 10, for what is not
 given).
@@ -58,6 +60,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--train_limit", type=int, default=None, help="default 0: all (--quick: 4000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
+    p.add_argument("--backward_thread", choices=("caller", "device"), default="caller",
+                   help="on a GPU: run each backward on the calling thread (default) or on autograd's worker thread")
     p.add_argument("--progress", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
     p.add_argument("--out_dir", default=str(ROOT / "results"), help="where rank 0 writes train_ddp.json")
     p.add_argument("--save", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
@@ -132,10 +136,12 @@ def main(argv=None) -> dict:
         steps = n // a.batch_size  # whole global batches (the rest of an epoch's order is left out)
         if steps == 0:
             raise SystemExit(f"--batch_size {a.batch_size} is larger than the {n} training examples")
-        if lead:
+        if lead:  # (a CPU backward always runs on the calling thread)
+            thread = "autograd's worker thread" if use_cuda and a.backward_thread == "device" else "the calling thread"
             print(f"train_ddp: {world} rank(s) ({'NCCL, one GPU each' if use_cuda and world > 1 else 'gloo, CPU' if world > 1 else device}), "
                   f"LeNet-300-100 at sparsity {a.sparsity} ({a.distribution}), DST {a.dst}, global batch "
-                  f"{a.batch_size} ({per} per rank), {a.epochs} epoch(s) on {n} examples", flush=True)
+                  f"{a.batch_size} ({per} per rank), {a.epochs} epoch(s) on {n} examples, backward on {thread}",
+                  flush=True)
         order = torch.Generator().manual_seed(a.seed)  # the same batch order on every rank
         from tqdm.auto import tqdm
         identical, updates, t_train, epochs = True, 0, 0.0, []
@@ -148,7 +154,8 @@ def main(argv=None) -> dict:
                 idx = perm[step * a.batch_size:(step + 1) * a.batch_size][rank * per:(rank + 1) * per]
                 loss = F.cross_entropy(net(x_train[idx]), y_train[idx])
                 opt.zero_grad()
-                loss.backward()
+                with torch.autograd.set_multithreading_enabled(a.backward_thread == "device"):
+                    loss.backward()
                 opt.step()
                 if dst is not None and dst.step() is not None:
                     updates += 1

@@ -50,3 +50,30 @@ def test_two_ranks_learn_and_stay_identical(dst, tmp_path):
     model = load_trained(meta["checkpoint"])
     assert sum(m.nnz for m in model if hasattr(m, "nnz")) == int(done.group(2))
     assert evaluate(model, *load("mnist", "test", device=torch.device("cpu"))) == pytest.approx(meta["test_acc"], abs=1e-9)
+
+
+@pytest.mark.parametrize("thread", ["caller", "device"])
+def test_backward_thread_reaches_every_backward_and_is_restored(tmp_path, monkeypatch, thread):
+    """--backward_thread sets autograd's threading around every training step's backward (one
+    process, no torchrun), and torch's default is back afterwards."""
+    import torch
+    import torch.nn.functional as F
+    from experiments import train_ddp as td
+    seen, loss_fn = [], F.cross_entropy
+
+    def cross_entropy(*args, **kwargs):  # records autograd's threading where the backward runs
+        loss = loss_fn(*args, **kwargs)
+        loss.register_hook(lambda g: seen.append(torch._C._is_multithreading_enabled()))
+        return loss
+
+    monkeypatch.setattr(F, "cross_entropy", cross_entropy)
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    res = td.main(["--epochs=1", "--train_limit=256", "--batch_size=64", "--dst=set", "--update_every=2",
+                   "--device=cpu", f"--backward_thread={thread}", "--progress=false", "--save=false",
+                   f"--out_dir={tmp_path}"])
+    assert res["world"] == 1 and res["dst_updates"] == 2
+    assert seen == [thread == "device"] * 4  # 256 / 64 steps, each with the setting asked for
+    assert torch._C._is_multithreading_enabled()
+    meta = json.loads((tmp_path / "train_ddp.json").read_text())
+    assert meta["config"]["backward_thread"] == thread
