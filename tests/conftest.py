@@ -86,6 +86,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def backward_threading(monkeypatch) -> list:
+    """A list that gets, at every backward of a loss made by `F.cross_entropy`, whether autograd's
+    multithreading (the worker thread for the GPU) was on where that backward ran."""
+    import torch.nn.functional as F
+    seen, loss_fn = [], F.cross_entropy
+
+    def cross_entropy(*args, **kwargs):
+        loss = loss_fn(*args, **kwargs)
+        loss.register_hook(lambda g: seen.append(torch._C._is_multithreading_enabled()))
+        return loss
+
+    monkeypatch.setattr(F, "cross_entropy", cross_entropy)
+    return seen
+
+
+@pytest.fixture
 def seed(request) -> int:
     """A seed fixed per test (a hash of its id): reruns are reproducible, tests differ."""
     return zlib.crc32(request.node.nodeid.encode()) & 0x7FFFFFFF

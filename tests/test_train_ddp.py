@@ -53,20 +53,12 @@ def test_two_ranks_learn_and_stay_identical(dst, tmp_path):
 
 
 @pytest.mark.parametrize("thread", ["caller", "device"])
-def test_backward_thread_reaches_every_backward_and_is_restored(tmp_path, monkeypatch, thread):
+def test_backward_thread_reaches_every_backward_and_is_restored(tmp_path, monkeypatch, backward_threading, thread):
     """--backward_thread sets autograd's threading around every training step's backward (one
     process, no torchrun), and torch's default is back afterwards."""
     import torch
-    import torch.nn.functional as F
     from experiments import train_ddp as td
-    seen, loss_fn = [], F.cross_entropy
-
-    def cross_entropy(*args, **kwargs):  # records autograd's threading where the backward runs
-        loss = loss_fn(*args, **kwargs)
-        loss.register_hook(lambda g: seen.append(torch._C._is_multithreading_enabled()))
-        return loss
-
-    monkeypatch.setattr(F, "cross_entropy", cross_entropy)
+    seen = backward_threading
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     res = td.main(["--epochs=1", "--train_limit=256", "--batch_size=64", "--dst=set", "--update_every=2",

@@ -176,17 +176,9 @@ def test_bad_config_raises(argv, match):
 
 
 @pytest.mark.parametrize("thread", ["caller", "device"])
-def test_backward_thread_reaches_every_backward_and_is_restored(tmp_path, monkeypatch, thread):
-    import torch.nn.functional as F
+def test_backward_thread_reaches_every_backward_and_is_restored(tmp_path, backward_threading, thread):
     from experiments import train_mnist as tm
-    seen, loss_fn = [], F.cross_entropy
-
-    def cross_entropy(*args, **kwargs):  # records autograd's threading where the backward runs
-        loss = loss_fn(*args, **kwargs)
-        loss.register_hook(lambda g: seen.append(torch._C._is_multithreading_enabled()))
-        return loss
-
-    monkeypatch.setattr(F, "cross_entropy", cross_entropy)
+    seen = backward_threading
     tm.main(["--models=sparse", "--epochs=1", "--batch_size=64", "--train_limit=128", "--test_limit=64",
              f"--backward_thread={thread}", "--save=false", "--progress=false", "--device=cpu",
              f"--out_dir={tmp_path}"])
