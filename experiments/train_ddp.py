@@ -44,7 +44,8 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
 import snack  # noqa: E402
 from experiments.data import DatasetNotFoundError, load  # noqa: E402
 from experiments.results_io import write_text  # noqa: E402
-from experiments.train_mnist import environment, evaluate, lenet_300_100, save_trained  # noqa: E402
+from experiments.train_mnist import (backward_thread_name, environment, evaluate, lenet_300_100,  # noqa: E402
+                                    save_trained)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -136,11 +137,11 @@ def main(argv=None) -> dict:
         steps = n // a.batch_size  # whole global batches (the rest of an epoch's order is left out)
         if steps == 0:
             raise SystemExit(f"--batch_size {a.batch_size} is larger than the {n} training examples")
-        if lead:  # (a CPU backward always runs on the calling thread)
-            thread = "autograd's worker thread" if use_cuda and a.backward_thread == "device" else "the calling thread"
+        if lead:
             print(f"train_ddp: {world} rank(s) ({'NCCL, one GPU each' if use_cuda and world > 1 else 'gloo, CPU' if world > 1 else device}), "
                   f"LeNet-300-100 at sparsity {a.sparsity} ({a.distribution}), DST {a.dst}, global batch "
-                  f"{a.batch_size} ({per} per rank), {a.epochs} epoch(s) on {n} examples, backward on {thread}",
+                  f"{a.batch_size} ({per} per rank), {a.epochs} epoch(s) on {n} examples, backward on "
+                  f"{backward_thread_name(device, a.backward_thread)}",
                   flush=True)
         order = torch.Generator().manual_seed(a.seed)  # the same batch order on every rank
         from tqdm.auto import tqdm
@@ -149,17 +150,17 @@ def main(argv=None) -> dict:
             perm = torch.randperm(n, generator=order).to(device)
             loss_sum = torch.zeros((), device=device)
             t0 = time.perf_counter()
-            for step in tqdm(range(steps), desc=f"epoch {epoch + 1}/{a.epochs}", disable=not (lead and a.progress),
-                             leave=False, dynamic_ncols=True):
-                idx = perm[step * a.batch_size:(step + 1) * a.batch_size][rank * per:(rank + 1) * per]
-                loss = F.cross_entropy(net(x_train[idx]), y_train[idx])
-                opt.zero_grad()
-                with torch.autograd.set_multithreading_enabled(a.backward_thread == "device"):
+            with torch.autograd.set_multithreading_enabled(a.backward_thread == "device"):
+                for step in tqdm(range(steps), desc=f"epoch {epoch + 1}/{a.epochs}", disable=not (lead and a.progress),
+                                 leave=False, dynamic_ncols=True):
+                    idx = perm[step * a.batch_size:(step + 1) * a.batch_size][rank * per:(rank + 1) * per]
+                    loss = F.cross_entropy(net(x_train[idx]), y_train[idx])
+                    opt.zero_grad()
                     loss.backward()
-                opt.step()
-                if dst is not None and dst.step() is not None:
-                    updates += 1
-                loss_sum += loss.detach()
+                    opt.step()
+                    if dst is not None and dst.step() is not None:
+                        updates += 1
+                    loss_sum += loss.detach()
             t_train += time.perf_counter() - t0
             fp = fingerprint(model)
             if world > 1:  # the ranks agree where max(fp) == min(fp) = -max(-fp): one collective

@@ -453,6 +453,12 @@ def print_table(rows) -> None:
               f"accuracy {100 * (s['test_acc'] - d['test_acc']):+.2f} points")
 
 
+def backward_thread_name(device: torch.device, backward_thread: str) -> str:
+    """Where autograd runs each backward for --backward_thread on `device`: its worker thread only
+    for "device" on a GPU (a CPU backward always runs on the calling thread)."""
+    return "autograd's worker thread" if device.type != "cpu" and backward_thread == "device" else "the calling thread"
+
+
 def main(argv=None) -> list:
     """Runs the experiment; returns the result rows (also written to <out_dir>/train_mnist.csv)."""
     t_start = time.perf_counter()
@@ -463,9 +469,7 @@ def main(argv=None) -> list:
     env = environment(device)
     dst = "" if cfg["dst"] == "none" else f", dynamic sparse training: {cfg['dst']}"
     decay = f" x{cfg['lr_decay']} every {cfg['lr_decay_every']} steps" if cfg["lr_decay_every"] else ""
-    # (a CPU backward always runs on the calling thread)
-    threads = ("backward on autograd's worker thread, " if device.type != "cpu" and cfg["backward_thread"] == "device"
-               else "backward on the calling thread, ")
+    threads = f"backward on {backward_thread_name(device, cfg['backward_thread'])}, "
     print(f"train_mnist: {cfg['dataset']} LeNet-300-100, dense vs snack.SparseLinear at sparsity "
           f"{cfg['sparsity']} ({cfg['distribution']}{dst}), {cfg['epochs']} epoch(s), batch {cfg['batch_size']}, "
           f"{cfg['optimizer']} lr {cfg['lr']}{decay}, on {env['device']} ({env['device_name']}, {threads}"

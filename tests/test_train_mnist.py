@@ -247,3 +247,10 @@ def test_result_files_are_written_whole(tmp_path, monkeypatch):
     assert sorted(p.name for p in path.parent.iterdir()) == ["r.csv"]
     with pytest.raises(ValueError, match="no rows"):
         results_io.write_csv(path, [])
+
+
+def test_backward_thread_name_is_the_worker_only_for_device_on_a_gpu():
+    from experiments.train_mnist import backward_thread_name
+    assert backward_thread_name(torch.device("cuda", 0), "device") == "autograd's worker thread"
+    assert backward_thread_name(torch.device("cuda", 0), "caller") == "the calling thread"
+    assert backward_thread_name(torch.device("cpu"), "device") == "the calling thread"
