@@ -12,7 +12,13 @@ each trained model to `<out_dir>/train_mnist_<model>.pt` (`load_trained(path)` r
 
 By default the connection pattern stays the one chosen at initialisation; `--dst=set` or
 `--dst=rigl` trains the sparse model with snack.dst (prune and regrow every `update_every` steps,
-same nnz). Trade-off: the whole data set lives in memory (on the GPU when training there), so
+same nnz). `--cuda_graph` (GPU only) captures the whole training step (batch gather, forward,
+backward, optimizer step, loss sum) in a CUDA graph after a few eager steps and replays it, which
+removes the per-step host time that bounds these small layers; steps the graph cannot stand for
+run eagerly in between: a last batch of another size, RigL's gradient capture before its updates,
+and after a learning-rate change the graph is captured again (SET / RigL rewrite the pattern in
+place, so the graph replays the new one). The capture time is reported (`capture_s`) and not
+counted as training time. Trade-off: the whole data set lives in memory (on the GPU when training there), so
 that loading never hides the layers' speed, at 220 MB for MNIST in float32 (train and test).
 
 Config nanoGPT-style: every default below can be overridden as --key=value, e.g.
@@ -20,6 +26,7 @@ Config nanoGPT-style: every default below can be overridden as --key=value, e.g.
     python experiments/train_mnist.py --sparsity=0.95 --distribution=uniform --epochs=5
     python experiments/train_mnist.py --dst=rigl --epochs=20
     python experiments/train_mnist.py --quick                       # seconds: a smoke test
+    python experiments/train_mnist.py --cuda_graph                  # GPU: each step one graph replay
 sparse_learning's MNIST recipe (SGD with Nesterov momentum, lr 0.1 divided by 10 every 25000 steps,
 weight decay 5e-4, batch 100, 100 epochs on 54000 images, SET once per epoch to the end):
     python experiments/train_mnist.py --optimizer=sgd --nesterov --lr=0.1 --lr_decay_every=25000 \
@@ -76,6 +83,7 @@ DEFAULTS = dict(
     train_limit=0,            # use the first N training examples (0: all 60000)
     test_limit=0,             # use the first N test examples (0: all 10000)
     threads=0,                # torch CPU threads (0: torch's default)
+    cuda_graph=False,         # GPU: replay the training step from a CUDA graph (see above)
     backward_thread="caller", # caller | device: where autograd runs the backward on a GPU: this thread
                               # (torch.autograd.set_multithreading_enabled(False), faster for small
                               # eager steps) or torch's worker thread per device (its default)
@@ -146,6 +154,9 @@ def _validate(cfg: dict) -> None:
         raise ValueError(f"device must be auto, cpu or cuda, got {cfg['device']!r}")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    if cfg["cuda_graph"] and (cfg["device"] == "cpu" or not torch.cuda.is_available()):
+        raise ValueError(f"cuda_graph needs a CUDA GPU, got device={cfg['device']!r}"
+                         + ("" if cfg["device"] == "cpu" else " and torch.cuda.is_available() is False"))
     for key in ("epochs", "batch_size"):
         if cfg[key] < 1:
             raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
@@ -325,6 +336,65 @@ def warm_up(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_sizes) -> 
     model.zero_grad(set_to_none=False)
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               idx: torch.Tensor, loss_sum: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on the examples x[idx], y[idx]; adds the loss to loss_sum (in place) and
+    returns it. The gradients are zeroed in place, never set to None: eager steps and a captured
+    one share the same gradient tensors."""
+    xb, yb = x[idx], y[idx]
+    opt.zero_grad(set_to_none=False)
+    loss = F.cross_entropy(model(xb), yb)
+    loss.backward()
+    opt.step()
+    loss_sum.add_(loss.detach())
+    return loss
+
+
+class GraphedStep:
+    """`train_step` on full batches replayed from a CUDA graph: the first `warm_steps` calls (and
+    one after `invalidate()`) are eager steps on a side stream, the next captures the step and
+    replays it, and every later call copies the batch's indices into the graph's and replays.
+    `invalidate()` makes the next call capture again (after a learning-rate change: the optimizer
+    step is captured with its hyper-parameters). `captures`, `capture_s` (seconds spent
+    capturing, the device synchronised around it) and `replays` say what it did."""
+
+    def __init__(self, model, opt, x, y, loss_sum, batch_size: int, warm_steps: int = 3):
+        self.model, self.opt, self.x, self.y, self.loss_sum = model, opt, x, y, loss_sum
+        self.idx = torch.zeros(batch_size, dtype=torch.long, device=x.device)
+        self.graph, self.loss, self.warm_left = None, None, warm_steps
+        self.captures, self.capture_s, self.replays = 0, 0.0, 0
+
+    def invalidate(self) -> None:
+        if self.graph is not None:
+            self.graph, self.warm_left = None, 1
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        self.idx.copy_(idx)
+        if self.graph is None:
+            from snack.functional import settle_autograd
+            # no autograd node of an earlier eager pass reused by the warm-up or the capture
+            settle_autograd(self.model)
+            if self.warm_left:
+                self.warm_left -= 1
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    loss = train_step(self.model, self.opt, self.x, self.y, self.idx, self.loss_sum)
+                torch.cuda.current_stream().wait_stream(side)
+                return loss
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # records the step; nothing runs until the replay
+                self.loss = train_step(self.model, self.opt, self.x, self.y, self.idx, self.loss_sum)
+            torch.cuda.synchronize()
+            self.capture_s += time.perf_counter() - t0
+            self.graph, self.captures = graph, self.captures + 1
+        self.graph.replay()
+        self.replays += 1
+        return self.loss
+
+
 def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device) -> dict:
     """Trains one model; returns its row of results."""
     from tqdm.auto import tqdm
@@ -347,30 +417,36 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
     sched = None
     if cfg["lr_decay_every"]:  # stepped once per optimizer step, like the step count it counts
         sched = torch.optim.lr_scheduler.StepLR(opt, cfg["lr_decay_every"], gamma=cfg["lr_decay"])
-    train_time, loss_sum, accs, dst_updates = 0.0, 0.0, [], 0
+    loss_sum = torch.zeros((), device=device)   # (one tensor: a captured step adds to it)
+    graphed = GraphedStep(model, opt, x_train, y_train, loss_sum, bs) if cfg["cuda_graph"] else None
+    train_time, accs, dst_updates = 0.0, [], 0
     for epoch in range(cfg["epochs"]):
         perm = torch.randperm(n, generator=order).to(device)
         bar = tqdm(range(steps_per_epoch), desc=f"{kind:>6} epoch {epoch + 1}/{cfg['epochs']}",
                    disable=not cfg["progress"], leave=False, dynamic_ncols=True)
         _sync(device)
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
+        t0, captured_before = time.perf_counter(), graphed.capture_s if graphed else 0.0
+        loss_sum.zero_()
         for step in bar:
             idx = perm[step * bs:(step + 1) * bs]
-            xb, yb = x_train[idx], y_train[idx]
-            opt.zero_grad(set_to_none=False)
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
-            opt.step()
+            # eager where a graph cannot stand for the step: a batch of another size, or RigL's
+            # gradient capture (forward hooks) before an update
+            if graphed is not None and idx.numel() == bs and not (
+                    dst is not None and dst.needs_gradient and dst.is_update_step(dst.num_steps + 1)):
+                loss = graphed(idx)
+            else:
+                loss = train_step(model, opt, x_train, y_train, idx, loss_sum)
             if sched is not None:
+                lrs = [g["lr"] for g in opt.param_groups]
                 sched.step()
+                if graphed is not None and lrs != [g["lr"] for g in opt.param_groups]:
+                    graphed.invalidate()
             if dst is not None and dst.step() is not None:  # prunes and regrows; nnz stays the same
                 dst_updates += 1
-            loss_sum += loss.detach()
             if step % 50 == 49 and cfg["progress"]:
                 bar.set_postfix(loss=f"{float(loss):.3f}")
         _sync(device)
-        train_time += time.perf_counter() - t0
+        train_time += time.perf_counter() - t0 - ((graphed.capture_s - captured_before) if graphed else 0.0)
         bar.close()
         accs.append(evaluate(model, x_test, y_test))
         print(f"{kind:>6} epoch {epoch + 1}/{cfg['epochs']}: train loss {float(loss_sum) / steps_per_epoch:.4f}  "
@@ -385,6 +461,10 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
         distribution=cfg["distribution"] if kind == "sparse" else "",
         dst=cfg["dst"] if kind == "sparse" else "none",
         dst_updates=dst_updates,
+        cuda_graph=graphed is not None,
+        graph_captures=graphed.captures if graphed else 0,
+        capture_s=round(graphed.capture_s, 3) if graphed else 0.0,
+        graph_replays=graphed.replays if graphed else 0,
         final_lr=opt.param_groups[0]["lr"],
         achieved_sparsity=round(1.0 - connections(model) / connections(init), 6),
         params=sum(p.numel() for p in model.parameters()),

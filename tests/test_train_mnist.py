@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,7 @@ def test_config_overrides():
     (["--lr_decay_every=-1"], "lr_decay_every must be >= 0"),
     (["--lr_decay=0"], "lr_decay must be in"),
     (["--backward_thread=gpu"], "backward_thread must be 'caller' or 'device'"),
+    (["--cuda_graph", "--device=cpu"], "cuda_graph needs a CUDA GPU, got device='cpu'"),
 ])
 def test_bad_config_raises(argv, match):
     from experiments import train_mnist as tm
@@ -202,6 +204,50 @@ def test_quick_run_on_the_gpu_learns_truly_sparse(tmp_path, thread):
     assert sparse["sparse_backend"] == "gpu"
     assert sparse["state_bytes"] < 0.5 * dense["state_bytes"] and sparse["peak_bytes"] < dense["peak_bytes"]
     assert abs(sparse["connections"] - 26620) <= 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without a GPU")
+def test_cuda_graph_without_a_gpu_raises():
+    from experiments import train_mnist as tm
+    with pytest.raises(ValueError, match="cuda_graph needs a CUDA GPU, got device='auto' and torch.cuda"):
+        tm.parse_config(["--cuda_graph"])
+
+
+def _quick_gpu(tmp_path, *argv):
+    from experiments import train_mnist as tm
+    # 3000 images in batches of 64: 47 steps, 46 full batches and a last one of 56
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = tm.main(["--quick", "--device=cuda", "--progress=false", "--save=false",
+                        f"--out_dir={tmp_path}", *argv])
+    assert not [w for w in caught if "no gradient was captured" in str(w.message)]
+    return {r["model"]: r for r in rows}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dst", ["none", "set", "rigl"])
+def test_cuda_graph_trains_as_eagerly(tmp_path, dst):
+    """--cuda_graph: the step replayed from a graph trains both models as the eager loop does (the
+    same data order; the kernels' atomic sums differ in the last bits), through two learning-rate
+    changes (each one a new capture) and, for the sparse model, SET / RigL updates (RigL's steps
+    before an update run eagerly for its gradient capture)."""
+    argv = ["--lr_decay_every=20", "--lr_decay=0.5", f"--dst={dst}", "--update_every=10"]
+    eager = _quick_gpu(tmp_path / "eager", *argv)
+    graph = _quick_gpu(tmp_path / "graph", "--cuda_graph", *argv)
+    for name, g in graph.items():
+        e = eager[name]
+        assert g["cuda_graph"] and not e["cuda_graph"] and e["graph_replays"] == 0
+        assert g["final_lr"] == e["final_lr"] == pytest.approx(1e-3 * 0.25)
+        assert g["final_train_loss"] == pytest.approx(e["final_train_loss"], rel=0.02, abs=1e-3), name
+        assert abs(g["test_acc"] - e["test_acc"]) <= 0.02, (name, g["test_acc"], e["test_acc"])
+        assert g["dst_updates"] == e["dst_updates"] and g["connections"] == e["connections"]
+        # 3 eager warm-up steps, a capture; after each lr change (steps 20, 40) one eager step and
+        # a capture; RigL: the steps before its updates (10, 20, 30) eager too
+        eager_updates = 3 if name == "sparse" and dst == "rigl" else 0
+        assert g["graph_captures"] == 3 and g["capture_s"] > 0
+        assert g["graph_replays"] == 46 - 3 - 2 - eager_updates, (name, g["graph_replays"])
+    if dst != "none":
+        assert graph["sparse"]["dst_updates"] == 3
 
 
 def test_summary_line_pairs_models_by_name_in_either_order(capsys):
