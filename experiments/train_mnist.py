@@ -350,6 +350,19 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return loss
 
 
+_GRAPH_STREAMS: dict = {}
+
+
+def graph_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream per device on which `GraphedStep` warms up and captures: torch gives
+    every stream cuBLAS runs on a workspace of its own (32 MiB on an H100), so a new stream per
+    warm-up or capture would add one each; `main` makes this one's before any model trains."""
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _GRAPH_STREAMS:
+        _GRAPH_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _GRAPH_STREAMS[key]
+
+
 class GraphedStep:
     """`train_step` on full batches replayed from a CUDA graph: the first `warm_steps` calls (and
     one after `invalidate()`) are eager steps on a side stream, the next captures the step and
@@ -363,6 +376,7 @@ class GraphedStep:
         self.idx = torch.zeros(batch_size, dtype=torch.long, device=x.device)
         self.graph, self.loss, self.warm_left = None, None, warm_steps
         self.captures, self.capture_s, self.replays = 0, 0.0, 0
+        self.side = graph_stream(x.device)
 
     def invalidate(self) -> None:
         if self.graph is not None:
@@ -376,16 +390,15 @@ class GraphedStep:
             settle_autograd(self.model)
             if self.warm_left:
                 self.warm_left -= 1
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
                     loss = train_step(self.model, self.opt, self.x, self.y, self.idx, self.loss_sum)
-                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.current_stream().wait_stream(self.side)
                 return loss
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # records the step; nothing runs until the replay
+            with torch.cuda.graph(graph, stream=self.side):  # records the step; nothing runs until the replay
                 self.loss = train_step(self.model, self.opt, self.x, self.y, self.idx, self.loss_sum)
             torch.cuda.synchronize()
             self.capture_s += time.perf_counter() - t0
@@ -563,6 +576,9 @@ def main(argv=None) -> list:
     torch.manual_seed(cfg["seed"])
     init = lenet_300_100()
     make_cublas_workspaces(device)  # (kept for the process: not charged to the first model's peak)
+    if cfg["cuda_graph"]:  # and the graphs' stream's (made outside a capture, not in its pool)
+        with torch.cuda.stream(graph_stream(device)):
+            make_cublas_workspaces(device)
     rows = []
     # SparseLinear's backward is Python: on autograd's worker thread for the GPU it must take the
     # GIL from this thread, which costs host time at every small step (README, "snack.optim")
