@@ -12,7 +12,8 @@ each trained model to `<out_dir>/train_mnist_<model>.pt` (`load_trained(path)` r
 
 By default the connection pattern stays the one chosen at initialisation; `--dst=set` or
 `--dst=rigl` trains the sparse model with snack.dst (prune and regrow every `update_every` steps,
-same nnz). `--cuda_graph` (GPU only) captures the whole training step (batch gather, forward,
+same nnz). On a GPU the training step is replayed from a CUDA graph (`--cuda_graph=auto`, the
+default; `true` asks for it and fails without a GPU, `false` trains eagerly): it captures the whole training step (batch gather, forward,
 backward, optimizer step, loss sum) in a CUDA graph after a few eager steps and replays it, which
 removes the per-step host time that bounds these small layers; steps the graph cannot stand for
 run eagerly in between: a last batch of another size, RigL's gradient capture before its updates,
@@ -26,7 +27,7 @@ Config nanoGPT-style: every default below can be overridden as --key=value, e.g.
     python experiments/train_mnist.py --sparsity=0.95 --distribution=uniform --epochs=5
     python experiments/train_mnist.py --dst=rigl --epochs=20
     python experiments/train_mnist.py --quick                       # seconds: a smoke test
-    python experiments/train_mnist.py --cuda_graph                  # GPU: each step one graph replay
+    python experiments/train_mnist.py --cuda_graph=false            # GPU: eager steps, as a plain loop
 sparse_learning's MNIST recipe (SGD with Nesterov momentum, lr 0.1 divided by 10 every 25000 steps,
 weight decay 5e-4, batch 100, 100 epochs on 54000 images, SET once per epoch to the end):
     python experiments/train_mnist.py --optimizer=sgd --nesterov --lr=0.1 --lr_decay_every=25000 \
@@ -83,7 +84,8 @@ DEFAULTS = dict(
     train_limit=0,            # use the first N training examples (0: all 60000)
     test_limit=0,             # use the first N test examples (0: all 10000)
     threads=0,                # torch CPU threads (0: torch's default)
-    cuda_graph=False,         # GPU: replay the training step from a CUDA graph (see above)
+    cuda_graph="auto",        # auto | true | false: replay the training step from a CUDA graph
+                              # (auto: on a GPU; see above)
     backward_thread="caller", # caller | device: where autograd runs the backward on a GPU: this thread
                               # (torch.autograd.set_multithreading_enabled(False), faster for small
                               # eager steps) or torch's worker thread per device (its default)
@@ -93,6 +95,16 @@ DEFAULTS = dict(
     quick=False,              # a tiny smoke run (see QUICK); explicit --key=value still win
 )
 QUICK = dict(epochs=1, train_limit=3000, test_limit=1000, batch_size=64)
+
+
+def _auto_bool(s: str):
+    """"auto" or a boolean (true/false), for the options that default to auto."""
+    if str(s).strip().lower() == "auto":
+        return "auto"
+    try:
+        return _bool(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, true or false, got {s!r}") from None
 
 
 def _bool(s: str) -> bool:
@@ -110,7 +122,10 @@ def parse_config(argv=None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for key, default in DEFAULTS.items():
         flag = "--" + key
-        if isinstance(default, bool):
+        if key == "cuda_graph":
+            p.add_argument(flag, type=_auto_bool, nargs="?", const=True, default=argparse.SUPPRESS,
+                           help=f"auto, true or false (default {default})")
+        elif isinstance(default, bool):
             p.add_argument(flag, type=_bool, nargs="?", const=True, default=argparse.SUPPRESS,
                            help=f"(default {default})")
         else:
@@ -154,7 +169,9 @@ def _validate(cfg: dict) -> None:
         raise ValueError(f"device must be auto, cpu or cuda, got {cfg['device']!r}")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
-    if cfg["cuda_graph"] and (cfg["device"] == "cpu" or not torch.cuda.is_available()):
+    if cfg["cuda_graph"] not in ("auto", True, False):
+        raise ValueError(f"cuda_graph must be auto, true or false, got {cfg['cuda_graph']!r}")
+    if cfg["cuda_graph"] is True and (cfg["device"] == "cpu" or not torch.cuda.is_available()):
         raise ValueError(f"cuda_graph needs a CUDA GPU, got device={cfg['device']!r}"
                          + ("" if cfg["device"] == "cpu" else " and torch.cuda.is_available() is False"))
     for key in ("epochs", "batch_size"):
@@ -408,6 +425,11 @@ class GraphedStep:
         return self.loss
 
 
+def use_cuda_graph(cfg: dict, device: torch.device) -> bool:
+    """Whether training steps replay a CUDA graph: --cuda_graph true, or auto on a GPU."""
+    return cfg["cuda_graph"] is True or (cfg["cuda_graph"] == "auto" and device.type == "cuda")
+
+
 def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device) -> dict:
     """Trains one model; returns its row of results."""
     from tqdm.auto import tqdm
@@ -431,7 +453,7 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
     if cfg["lr_decay_every"]:  # stepped once per optimizer step, like the step count it counts
         sched = torch.optim.lr_scheduler.StepLR(opt, cfg["lr_decay_every"], gamma=cfg["lr_decay"])
     loss_sum = torch.zeros((), device=device)   # (one tensor: a captured step adds to it)
-    graphed = GraphedStep(model, opt, x_train, y_train, loss_sum, bs) if cfg["cuda_graph"] else None
+    graphed = GraphedStep(model, opt, x_train, y_train, loss_sum, bs) if use_cuda_graph(cfg, device) else None
     train_time, accs, dst_updates = 0.0, [], 0
     for epoch in range(cfg["epochs"]):
         perm = torch.randperm(n, generator=order).to(device)
@@ -562,7 +584,8 @@ def main(argv=None) -> list:
     env = environment(device)
     dst = "" if cfg["dst"] == "none" else f", dynamic sparse training: {cfg['dst']}"
     decay = f" x{cfg['lr_decay']} every {cfg['lr_decay_every']} steps" if cfg["lr_decay_every"] else ""
-    threads = f"backward on {backward_thread_name(device, cfg['backward_thread'])}, "
+    threads = (f"steps {'replayed from a CUDA graph' if use_cuda_graph(cfg, device) else 'eager'}, "
+               f"backward on {backward_thread_name(device, cfg['backward_thread'])}, ")
     print(f"train_mnist: {cfg['dataset']} LeNet-300-100, dense vs snack.SparseLinear at sparsity "
           f"{cfg['sparsity']} ({cfg['distribution']}{dst}), {cfg['epochs']} epoch(s), batch {cfg['batch_size']}, "
           f"{cfg['optimizer']} lr {cfg['lr']}{decay}, on {env['device']} ({env['device_name']}, {threads}"
@@ -576,7 +599,7 @@ def main(argv=None) -> list:
     torch.manual_seed(cfg["seed"])
     init = lenet_300_100()
     make_cublas_workspaces(device)  # (kept for the process: not charged to the first model's peak)
-    if cfg["cuda_graph"]:  # and the graphs' stream's (made outside a capture, not in its pool)
+    if use_cuda_graph(cfg, device):  # and the graphs' stream's (made outside a capture, not in its pool)
         with torch.cuda.stream(graph_stream(device)):
             make_cublas_workspaces(device)
     rows = []

@@ -213,6 +213,24 @@ def test_cuda_graph_without_a_gpu_raises():
         tm.parse_config(["--cuda_graph"])
 
 
+def test_cuda_graph_option_values():
+    from experiments import train_mnist as tm
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    for argv, want in (([], "auto"), (["--cuda_graph"], True), (["--cuda_graph=false"], False),
+                       (["--cuda_graph=AUTO"], "auto"), (["--cuda_graph", "false"], False)):
+        if want is True and not torch.cuda.is_available():
+            with pytest.raises(ValueError, match="cuda_graph needs a CUDA GPU"):
+                tm.parse_config(argv)
+            continue
+        cfg = tm.parse_config(argv)
+        assert cfg["cuda_graph"] == want and type(cfg["cuda_graph"]) is type(want), argv
+        # auto: a graph on a GPU only; false never; true always
+        assert tm.use_cuda_graph(cfg, gpu) is (want is not False)
+        assert tm.use_cuda_graph(cfg, cpu) is (want is True)
+    with pytest.raises(SystemExit):  # argparse's one-line error, exit status 2
+        tm.parse_config(["--cuda_graph=maybe"])
+
+
 def _quick_gpu(tmp_path, *argv):
     from experiments import train_mnist as tm
     # 3000 images in batches of 64: 47 steps, 46 full batches and a last one of 56
@@ -232,8 +250,8 @@ def test_cuda_graph_trains_as_eagerly(tmp_path, dst):
     changes (each one a new capture) and, for the sparse model, SET / RigL updates (RigL's steps
     before an update run eagerly for its gradient capture)."""
     argv = ["--lr_decay_every=20", "--lr_decay=0.5", f"--dst={dst}", "--update_every=10"]
-    eager = _quick_gpu(tmp_path / "eager", *argv)
-    graph = _quick_gpu(tmp_path / "graph", "--cuda_graph", *argv)
+    eager = _quick_gpu(tmp_path / "eager", "--cuda_graph=false", *argv)
+    graph = _quick_gpu(tmp_path / "graph", *argv)  # (auto: a graph on the GPU)
     for name, g in graph.items():
         e = eager[name]
         assert g["cuda_graph"] and not e["cuda_graph"] and e["graph_replays"] == 0
@@ -241,6 +259,8 @@ def test_cuda_graph_trains_as_eagerly(tmp_path, dst):
         assert g["final_train_loss"] == pytest.approx(e["final_train_loss"], rel=0.02, abs=1e-3), name
         assert abs(g["test_acc"] - e["test_acc"]) <= 0.02, (name, g["test_acc"], e["test_acc"])
         assert g["dst_updates"] == e["dst_updates"] and g["connections"] == e["connections"]
+        # the graph's stream has its cuBLAS workspace before training (one per stream, 32 MiB)
+        assert g["peak_bytes"] <= e["peak_bytes"] + 2**20, (name, g["peak_bytes"], e["peak_bytes"])
         # 3 eager warm-up steps, a capture; after each lr change (steps 20, 40) one eager step and
         # a capture; RigL: the steps before its updates (10, 20, 30) eager too
         eager_updates = 3 if name == "sparse" and dst == "rigl" else 0
