@@ -356,14 +356,17 @@ def warm_up(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_sizes) -> 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                idx: torch.Tensor, loss_sum: torch.Tensor) -> torch.Tensor:
     """One optimizer step on the examples x[idx], y[idx]; adds the loss to loss_sum (in place) and
-    returns it. The gradients are zeroed in place, never set to None: eager steps and a captured
-    one share the same gradient tensors."""
+    returns it detached. The gradients are zeroed in place, never set to None: eager steps and a
+    captured one share the same gradient tensors. (A loss kept with its autograd graph would keep
+    that step's AccumulateGrad nodes, with the stream they were made on, for the next step's
+    backward: a step after a graph's capture or warm-up would run its backward across streams.)"""
     xb, yb = x[idx], y[idx]
     opt.zero_grad(set_to_none=False)
     loss = F.cross_entropy(model(xb), yb)
     loss.backward()
     opt.step()
-    loss_sum.add_(loss.detach())
+    loss = loss.detach()
+    loss_sum.add_(loss)
     return loss
 
 

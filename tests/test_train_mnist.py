@@ -239,6 +239,8 @@ def _quick_gpu(tmp_path, *argv):
         rows = tm.main(["--quick", "--device=cuda", "--progress=false", "--save=false",
                         f"--out_dir={tmp_path}", *argv])
     assert not [w for w in caught if "no gradient was captured" in str(w.message)]
+    # no eager step's backward reuses a graph's AccumulateGrad nodes (made on its side stream)
+    assert not [w for w in caught if "stream does not match" in str(w.message)]
     return {r["model"]: r for r in rows}
 
 
