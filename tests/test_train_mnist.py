@@ -245,19 +245,24 @@ def _quick_gpu(tmp_path, *argv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dst", ["none", "set", "rigl"])
-def test_cuda_graph_trains_as_eagerly(tmp_path, dst):
+@pytest.mark.parametrize("dst,optimizer", [("none", "adam"), ("set", "adam"), ("rigl", "adam"), ("set", "sgd")])
+def test_cuda_graph_trains_as_eagerly(tmp_path, dst, optimizer):
     """--cuda_graph: the step replayed from a graph trains both models as the eager loop does (the
     same data order; the kernels' atomic sums differ in the last bits), through two learning-rate
     changes (each one a new capture) and, for the sparse model, SET / RigL updates (RigL's steps
-    before an update run eagerly for its gradient capture)."""
-    argv = ["--lr_decay_every=20", "--lr_decay=0.5", f"--dst={dst}", "--update_every=10"]
+    before an update run eagerly for its gradient capture); with Adam, and with the SGD recipe's
+    optimizer (Nesterov momentum, weight decay: its momentum buffers made by the warm-up steps)."""
+    lr = 1e-3 if optimizer == "adam" else 0.05
+    argv = ["--lr_decay_every=20", "--lr_decay=0.5", f"--dst={dst}", "--update_every=10",
+            f"--optimizer={optimizer}", f"--lr={lr}"]
+    if optimizer == "sgd":
+        argv += ["--nesterov", "--weight_decay=5e-4"]
     eager = _quick_gpu(tmp_path / "eager", "--cuda_graph=false", *argv)
     graph = _quick_gpu(tmp_path / "graph", *argv)  # (auto: a graph on the GPU)
     for name, g in graph.items():
         e = eager[name]
         assert g["cuda_graph"] and not e["cuda_graph"] and e["graph_replays"] == 0
-        assert g["final_lr"] == e["final_lr"] == pytest.approx(1e-3 * 0.25)
+        assert g["final_lr"] == e["final_lr"] == pytest.approx(lr * 0.25)
         assert g["final_train_loss"] == pytest.approx(e["final_train_loss"], rel=0.02, abs=1e-3), name
         assert abs(g["test_acc"] - e["test_acc"]) <= 0.02, (name, g["test_acc"], e["test_acc"])
         assert g["dst_updates"] == e["dst_updates"] and g["connections"] == e["connections"]
