@@ -370,64 +370,6 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return loss
 
 
-_GRAPH_STREAMS: dict = {}
-
-
-def graph_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one side stream per device on which `GraphedStep` warms up and captures: torch gives
-    every stream cuBLAS runs on a workspace of its own (32 MiB on an H100), so a new stream per
-    warm-up or capture would add one each; `main` makes this one's before any model trains."""
-    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
-    if key not in _GRAPH_STREAMS:
-        _GRAPH_STREAMS[key] = torch.cuda.Stream(device=key)
-    return _GRAPH_STREAMS[key]
-
-
-class GraphedStep:
-    """`train_step` on full batches replayed from a CUDA graph: the first `warm_steps` calls (and
-    one after `invalidate()`) are eager steps on a side stream, the next captures the step and
-    replays it, and every later call copies the batch's indices into the graph's and replays.
-    `invalidate()` makes the next call capture again (after a learning-rate change: the optimizer
-    step is captured with its hyper-parameters). `captures`, `capture_s` (seconds spent
-    capturing, the device synchronised around it) and `replays` say what it did."""
-
-    def __init__(self, model, opt, x, y, loss_sum, batch_size: int, warm_steps: int = 3):
-        self.model, self.opt, self.x, self.y, self.loss_sum = model, opt, x, y, loss_sum
-        self.idx = torch.zeros(batch_size, dtype=torch.long, device=x.device)
-        self.graph, self.loss, self.warm_left = None, None, warm_steps
-        self.captures, self.capture_s, self.replays = 0, 0.0, 0
-        self.side = graph_stream(x.device)
-
-    def invalidate(self) -> None:
-        if self.graph is not None:
-            self.graph, self.warm_left = None, 1
-
-    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
-        self.idx.copy_(idx)
-        if self.graph is None:
-            from snack.functional import settle_autograd
-            # no autograd node of an earlier eager pass reused by the warm-up or the capture
-            settle_autograd(self.model)
-            if self.warm_left:
-                self.warm_left -= 1
-                self.side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self.side):
-                    loss = train_step(self.model, self.opt, self.x, self.y, self.idx, self.loss_sum)
-                torch.cuda.current_stream().wait_stream(self.side)
-                return loss
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.side):  # records the step; nothing runs until the replay
-                self.loss = train_step(self.model, self.opt, self.x, self.y, self.idx, self.loss_sum)
-            torch.cuda.synchronize()
-            self.capture_s += time.perf_counter() - t0
-            self.graph, self.captures = graph, self.captures + 1
-        self.graph.replay()
-        self.replays += 1
-        return self.loss
-
-
 def use_cuda_graph(cfg: dict, device: torch.device) -> bool:
     """Whether training steps replay a CUDA graph: --cuda_graph true, or auto on a GPU."""
     return cfg["cuda_graph"] is True or (cfg["cuda_graph"] == "auto" and device.type == "cuda")
@@ -456,7 +398,13 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
     if cfg["lr_decay_every"]:  # stepped once per optimizer step, like the step count it counts
         sched = torch.optim.lr_scheduler.StepLR(opt, cfg["lr_decay_every"], gamma=cfg["lr_decay"])
     loss_sum = torch.zeros((), device=device)   # (one tensor: a captured step adds to it)
-    graphed = GraphedStep(model, opt, x_train, y_train, loss_sum, bs) if use_cuda_graph(cfg, device) else None
+
+    def one_step(idx):
+        return train_step(model, opt, x_train, y_train, idx, loss_sum)
+    # replayed from a CUDA graph: eager where a graph cannot stand for the step (the last batch, of
+    # another size; RigL's steps before an update), captured again after a learning-rate change
+    graphed = (snack.graphs.CapturedStep(one_step, model=model, optimizer=opt, dst=dst)
+               if use_cuda_graph(cfg, device) else None)
     train_time, accs, dst_updates = 0.0, [], 0
     for epoch in range(cfg["epochs"]):
         perm = torch.randperm(n, generator=order).to(device)
@@ -467,18 +415,9 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
         loss_sum.zero_()
         for step in bar:
             idx = perm[step * bs:(step + 1) * bs]
-            # eager where a graph cannot stand for the step: a batch of another size, or RigL's
-            # gradient capture (forward hooks) before an update
-            if graphed is not None and idx.numel() == bs and not (
-                    dst is not None and dst.needs_gradient and dst.is_update_step(dst.num_steps + 1)):
-                loss = graphed(idx)
-            else:
-                loss = train_step(model, opt, x_train, y_train, idx, loss_sum)
+            loss = graphed(idx) if graphed is not None else one_step(idx)
             if sched is not None:
-                lrs = [g["lr"] for g in opt.param_groups]
                 sched.step()
-                if graphed is not None and lrs != [g["lr"] for g in opt.param_groups]:
-                    graphed.invalidate()
             if dst is not None and dst.step() is not None:  # prunes and regrows; nnz stays the same
                 dst_updates += 1
             if step % 50 == 49 and cfg["progress"]:
@@ -603,7 +542,7 @@ def main(argv=None) -> list:
     init = lenet_300_100()
     make_cublas_workspaces(device)  # (kept for the process: not charged to the first model's peak)
     if use_cuda_graph(cfg, device):  # and the graphs' stream's (made outside a capture, not in its pool)
-        with torch.cuda.stream(graph_stream(device)):
+        with torch.cuda.stream(snack.graphs.capture_stream(device)):
             make_cublas_workspaces(device)
     rows = []
     # SparseLinear's backward is Python: on autograd's worker thread for the GPU it must take the

@@ -7,19 +7,22 @@ backend otherwise).
     snack.SparseLinear, snack.sparsify, snack.densify, snack.functional.sparse_linear, snack.COO
     snack.dst.SET / snack.dst.RigL (dynamic sparse training, when installed)
     snack.optim.Adam / snack.optim.AdamW (torch's Adam with a fused full-occupancy GPU step)
-`snack.functional`, `snack.dst` and `snack.optim` are aliases of `snack.layers.functional`,
-`snack.layers.dst` and `snack.layers.optim`, so `import snack.functional` works too.
+    snack.graphs.CapturedStep (a training step replayed from a CUDA graph, with SET / RigL)
+`snack.functional`, `snack.dst`, `snack.optim` and `snack.graphs` are aliases of
+`snack.layers.functional`, `snack.layers.dst`, `snack.layers.optim` and `snack.layers.graphs`,
+so `import snack.functional` works too.
 """
 import importlib as _importlib
 import sys as _sys
 
 from snack.core import COO
-from snack.layers import functional, optim
+from snack.layers import functional, graphs, optim
 from snack.layers.linear import SparseLinear
 from snack.layers.sparsify import densify, sparsify
 
 _sys.modules.setdefault(__name__ + ".functional", functional)
 _sys.modules.setdefault(__name__ + ".optim", optim)
+_sys.modules.setdefault(__name__ + ".graphs", graphs)
 
 try:
     dst = _importlib.import_module("snack.layers.dst")
@@ -30,6 +33,6 @@ else:
     _sys.modules.setdefault(__name__ + ".dst", dst)
 
 __version__ = "0.1.0"
-__all__ = ["COO", "SparseLinear", "sparsify", "densify", "functional", "optim", "__version__"]
+__all__ = ["COO", "SparseLinear", "sparsify", "densify", "functional", "optim", "graphs", "__version__"]
 if "dst" in globals():
     __all__.append("dst")

@@ -1,0 +1,141 @@
+"""snack.graphs.CapturedStep: a training step replayed from a CUDA graph.
+
+On the CPU it runs the step eagerly (and checks its arguments); on the GPU (marked `gpu`) a
+small sparse MLP trained through replays follows the same run trained eagerly, step for step,
+through a learning-rate change (a new capture), a last batch of another size (eager), and SET
+or RigL updates (RigL's steps before an update eager)."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import snack
+from snack.graphs import CapturedStep
+
+
+def _model(device, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(snack.SparseLinear(40, 33, sparsity=0.8), nn.ReLU(),
+                         snack.SparseLinear(33, 7, sparsity=0.7)).to(device)
+
+
+def _step_fn(model, opt):
+    def step(x, y):
+        opt.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def test_on_the_cpu_it_runs_the_step_eagerly():
+    model = _model("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+
+    def fn(x, y):
+        calls.append((x, y))
+        return _step_fn(model, opt)(x, y), {"n": x.shape[0]}
+
+    step = CapturedStep(fn, model=model, optimizer=opt)
+    x, y = torch.randn(8, 40), torch.randint(0, 7, (8,))
+    before = model[0].values.detach().clone()
+    loss, extra = step(x, y)
+    assert calls[0][0] is x and calls[0][1] is y  # the caller's tensors, not copies
+    assert not loss.requires_grad and loss.grad_fn is None and extra == {"n": 8}
+    assert not torch.equal(before, model[0].values.detach())  # the step ran
+    step(x[:5], y[:5])
+    assert (step.eager_steps, step.replays, step.captures, step.capture_s) == (2, 0, 0, 0.0)
+
+
+def test_bad_arguments_raise():
+    model = _model("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        CapturedStep(None, model=model)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        CapturedStep(lambda: None, model=[model])
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        CapturedStep(lambda: None, model=model, optimizer="adam")
+    with pytest.raises(TypeError, match="dst must be a snack.dst object"):
+        CapturedStep(lambda: None, model=model, dst=object())
+    with pytest.raises(ValueError, match="warmup_steps must be >= 1, got 0"):
+        CapturedStep(lambda: None, model=model, warmup_steps=0)
+    with pytest.raises(TypeError, match="warmup_steps must be an int"):
+        CapturedStep(lambda: None, model=model, warmup_steps=2.0)
+    step = CapturedStep(_step_fn(model, opt), model=model, optimizer=opt)
+    with pytest.raises(TypeError, match=r"inputs\[1\] must be a tensor, got list"):
+        step(torch.randn(2, 40), [0, 1])
+    assert step.eager_steps == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without a GPU")
+def test_capture_stream_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="device must be a CUDA device, got cpu"):
+        snack.graphs.capture_stream("cpu")
+
+
+def _run(device, dst_kind, graphed, steps=30, batch=16, last=11):
+    """Trains `steps` steps (the last one on `last` examples) with Adam, the lr halved after step
+    12; returns (per-step losses, the model, the CapturedStep or None)."""
+    model = _model(device)
+    opt = snack.optim.Adam(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 12, gamma=0.5)
+    dst = None
+    if dst_kind != "none":
+        dst = {"set": snack.dst.SET, "rigl": snack.dst.RigL}[dst_kind](
+            model, opt, drop_fraction=0.3, update_every=5, end_step=steps, seed=1)
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(batch if t < steps - 1 else last, 40, generator=g),
+             torch.randint(0, 7, (batch if t < steps - 1 else last,), generator=g)) for t in range(steps)]
+    fn = _step_fn(model, opt)
+    step = CapturedStep(fn, model=model, optimizer=opt, dst=dst) if graphed else None
+    losses = []
+    for x, y in data:
+        x, y = x.to(device), y.to(device)
+        loss = step(x, y) if graphed else fn(x, y)
+        losses.append(float(loss))
+        sched.step()
+        if dst is not None:
+            dst.step()
+    return losses, model, step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dst_kind", ["none", "set", "rigl"])
+def test_replays_train_as_the_eager_loop(dst_kind):
+    want, eager_model, _ = _run("cuda", dst_kind, graphed=False)
+    got, model, step = _run("cuda", dst_kind, graphed=True)
+    # same data, same updates: the losses agree to the kernels' rounding (atomic sums)
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    for a, b in zip(model, eager_model):
+        if isinstance(a, snack.SparseLinear):
+            assert torch.equal(a.indices, b.indices)  # the same SET / RigL choices
+            torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-5)
+    # 3 warm-up steps, a capture at step 4; the lr halves after step 12 and 24: at steps 13 and 25
+    # one warm-up step and a capture; step 30 (11 examples) eager; RigL: the steps before its
+    # updates (5, 10, 15, 20, 25) eager too, so step 25's warm-up moves to step 26
+    rigl = 5 if dst_kind == "rigl" else 0
+    assert step.captures == 3 and step.capture_s > 0
+    assert step.eager_steps == 3 + 2 + 1 + rigl
+    assert step.replays == 30 - step.eager_steps
+
+
+@pytest.mark.gpu
+def test_replayed_outputs_are_the_graphs_and_invalidate_captures_again():
+    model = _model("cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = CapturedStep(_step_fn(model, opt), model=model, warmup_steps=1)  # no optimizer given
+    x, y = torch.randn(16, 40, device="cuda"), torch.randint(0, 7, (16,), device="cuda")
+    step(x, y)                     # warm-up
+    a = step(x, y)                 # capture + replay
+    b = step(x, y)                 # replay
+    assert a is b and not b.requires_grad and step.captures == 1 and step.replays == 2
+    opt.param_groups[0]["lr"] = 0.01  # not seen without `optimizer=`: the old graph replays
+    step(x, y)
+    assert step.captures == 1
+    step.invalidate()
+    step(x, y)                     # one warm-up
+    step(x, y)                     # a new capture
+    assert step.captures == 2 and step.eager_steps == 2
