@@ -95,7 +95,7 @@ def _run(device, dst_kind, graphed, steps=30, batch=16, last=11):
     for x, y in data:
         x, y = x.to(device), y.to(device)
         loss = step(x, y) if graphed else fn(x, y)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         sched.step()
         if dst is not None:
             dst.step()

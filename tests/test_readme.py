@@ -70,3 +70,7 @@ def test_readme_python_examples_run_and_do_what_they_say():
     for i in range(2, len(blocks)):
         run(i)
     assert isinstance(ns["opt"], torch.optim.Adam)
+    # the CapturedStep loop: every step eager on the CPU, RigL's update at step 100 done
+    step = ns["step"]
+    assert (step.eager_steps, step.replays, step.captures) == (len(loader), 0, 0)
+    assert ns["rigl"].last_update is not None and ns["rigl"].last_update.step == 100
