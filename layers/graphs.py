@@ -70,7 +70,10 @@ class CapturedStep:
         optimizer: the optimizer that fn steps, optional: its param groups' hyper-parameters
             (lr, betas, weight_decay, ..., not tensor-valued ones) are compared at every call,
             and a change makes the next call capture again. Without it, call `invalidate()`
-            after changing them.
+            after changing them. A scheduler that changes the learning rate at every step
+            (cosine, one-cycle) would make every step a warm-up and a capture: give such an
+            optimizer a tensor learning rate on the GPU (torch's Adam / AdamW with
+            `capturable=True`), which schedulers update in place and a replay reads.
         dst: a `snack.dst.SET` / `RigL` object, optional: RigL's growth needs the gradient of
             the step before an update, which its forward hooks keep, so that step runs eagerly.
             Call `dst.step()` after each call yourself, as in eager training.
