@@ -7,7 +7,9 @@ optimizer, learning rate, batch order and number of epochs. Per model it prints 
 `<out_dir>/train_mnist.csv`: test accuracy, training time, parameter and connection counts, the
 bytes of weights (+ indices), gradients and optimizer state counted from the actual tensors, and
 peak memory (CUDA: torch.cuda.max_memory_allocated over the run; CPU: those state bytes plus
-the tensors autograd saves for backward in one step). The run's config goes beside the CSV, and
+the tensors autograd saves for backward in one step); the CSV also says whether the steps were
+replayed from a CUDA graph (cuda_graph, graph_captures, graph_replays, capture_s). The run's
+config goes beside the CSV, and
 each trained model to `<out_dir>/train_mnist_<model>.pt` (`load_trained(path)` rebuilds it).
 
 By default the connection pattern stays the one chosen at initialisation; `--dst=set` or
