@@ -110,7 +110,7 @@ class CapturedStep:
         self.warmup_steps = warmup_steps
         self.captures, self.replays, self.eager_steps, self.capture_s = 0, 0, 0, 0.0
         self._graph, self._static, self._outputs, self._signature = None, None, None, None
-        self._hyper, self._warm_left, self._last_warm_up = None, warmup_steps, None
+        self._hyper, self._warm_left = None, warmup_steps
 
     def invalidate(self) -> None:
         """The next graph call captures the step again, after one warm-up step (call it after
@@ -155,14 +155,16 @@ class CapturedStep:
             s.copy_(t)
         if self._graph is None:
             with torch.cuda.device(device):
-                self._warm_up_or_capture(device, hyper)
+                warm_up_outputs = self._warm_up_or_capture(device, hyper)
             if self._graph is None:
-                return self._last_warm_up
+                return warm_up_outputs
         self._graph.replay()
         self.replays += 1
         return self._outputs
 
-    def _warm_up_or_capture(self, device: torch.device, hyper) -> None:
+    def _warm_up_or_capture(self, device: torch.device, hyper):
+        """One eager step on the side stream (returns its outputs) while warm-up steps are left,
+        else the capture (returns None; the caller replays it)."""
         side = capture_stream(device)
         # no AccumulateGrad node of an earlier eager pass reused by the warm-up or the capture
         settle_autograd(self.model)
@@ -170,10 +172,10 @@ class CapturedStep:
             self._warm_left -= 1
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._last_warm_up = _detach(self.fn(*self._static))
+                outputs = _detach(self.fn(*self._static))
             torch.cuda.current_stream().wait_stream(side)
             self.eager_steps += 1
-            return
+            return outputs
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
@@ -183,4 +185,4 @@ class CapturedStep:
         self.capture_s += time.perf_counter() - t0
         self._graph, self._outputs, self._hyper = graph, outputs, hyper
         self.captures += 1
-        self._last_warm_up = None
+        return None
