@@ -76,12 +76,18 @@ def test_capture_stream_needs_a_cuda_device():
         snack.graphs.capture_stream("cpu")
 
 
-def _run(device, dst_kind, graphed, steps=30, batch=16, last=11):
+def _run(device, dst_kind, graphed, steps=30, batch=16, last=11, tensor_lr=False):
     """Trains `steps` steps (the last one on `last` examples) with Adam, the lr halved after step
-    12; returns (per-step losses, the model, the CapturedStep or None)."""
+    12 (with `tensor_lr`: torch's capturable Adam with its lr a tensor on the GPU, on a cosine
+    schedule that changes it at every step); returns (per-step losses, the model, the
+    CapturedStep or None)."""
     model = _model(device)
-    opt = snack.optim.Adam(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 12, gamma=0.5)
+    if tensor_lr:
+        opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(3e-3, device=device), capturable=True)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps if tensor_lr != "fixed" else 10**9)
+    else:
+        opt = snack.optim.Adam(model.parameters(), lr=3e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 12, gamma=0.5)
     dst = None
     if dst_kind != "none":
         dst = {"set": snack.dst.SET, "rigl": snack.dst.RigL}[dst_kind](
@@ -120,6 +126,25 @@ def test_replays_train_as_the_eager_loop(dst_kind):
     assert step.captures == 3 and step.capture_s > 0
     assert step.eager_steps == 3 + 2 + 1 + rigl
     assert step.replays == 30 - step.eager_steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dst_kind", ["none", "set"])
+def test_a_tensor_learning_rate_changes_in_the_replays_without_a_new_capture(dst_kind):
+    """A scheduler that changes a tensor lr in place at every step: one capture serves the whole
+    run, and the replays follow the eager run's learning rates."""
+    want, eager_model, _ = _run("cuda", dst_kind, graphed=False, tensor_lr=True)
+    got, model, step = _run("cuda", dst_kind, graphed=True, tensor_lr=True)
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    for a, b in zip(model, eager_model):
+        if isinstance(a, snack.SparseLinear):
+            assert torch.equal(a.indices, b.indices)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-5)
+    assert step.captures == 1 and step.eager_steps == 3 + 1 and step.replays == 26
+    # the schedule matters to the losses: with the lr (nearly) fixed at 3e-3 they part far beyond
+    # the tolerance above, so the agreement shows that the replays read each step's lr
+    fixed, _, _ = _run("cuda", dst_kind, graphed=False, tensor_lr="fixed")
+    assert max(abs(a - b) / abs(b) for a, b in zip(fixed, want)) > 1e-3
 
 
 @pytest.mark.gpu
