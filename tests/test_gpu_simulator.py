@@ -1,10 +1,11 @@
-"""Runs tests/gpu_sim/kernels_sim.py (the CUDA kernels under Numba's simulator) in a subprocess with
-NUMBA_ENABLE_CUDASIM=1, which must be set before numba.cuda is imported. On a machine with a
-GPU the kernels are tested for real by tests/test_gpu_kernels.py instead.
+"""Runs tests/gpu_sim/shim_sim.py (the warp shuffles and block scheduler that snack.gpu.simulator adds
+to Numba's simulator) and tests/gpu_sim/kernels_sim.py (the CUDA kernels under the simulator) in a
+subprocess with NUMBA_ENABLE_CUDASIM=1, which must be set before numba.cuda is imported. On a
+machine with a GPU the kernels are tested for real by tests/test_gpu_kernels.py instead.
 The simulator runs one OS thread per CUDA thread under one GIL, so the subprocess spreads its
 tests over up to 4 worker processes with pytest-xdist (a test extra) where there are cores for
-them (on a 2-core machine the file took 6.5 minutes with 2 workers, 10 minutes since the gathering,
-lane-owned and row-order kernels joined it)."""
+them (on a 2-core machine with 2 workers: 12.5 minutes with the simulator's own polling block
+scheduler, 5.3 with snack.gpu.simulator's)."""
 import importlib.util
 import os
 import subprocess
@@ -29,7 +30,7 @@ def _workers() -> list:
 def test_kernels_under_cuda_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *_workers(),
-                        str(ROOT / "tests" / "gpu_sim" / "kernels_sim.py")], cwd=ROOT, env=env, capture_output=True,
+                        str(ROOT / "tests" / "gpu_sim" / "shim_sim.py"), str(ROOT / "tests" / "gpu_sim" / "kernels_sim.py")], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=3000)
     print(r.stdout[-4000:], r.stderr[-2000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
