@@ -5,7 +5,7 @@ machine with a GPU the kernels are tested for real by tests/test_gpu_kernels.py 
 The simulator runs one OS thread per CUDA thread under one GIL, so the subprocess spreads its
 tests over up to 4 worker processes with pytest-xdist (a test extra) where there are cores for
 them (on a 2-core machine with 2 workers: 12.5 minutes with the simulator's own polling block
-scheduler, 5.3 with snack.gpu.simulator's)."""
+scheduler, 3.8 with snack.gpu.simulator's)."""
 import importlib.util
 import os
 import subprocess
