@@ -92,11 +92,12 @@ class _BlockSync:
             g.release()
 
 
-def _exchange(value, src, lane_mask=None):
+def _exchange(value, src=None, lane_mask=0):
+    """The value of lane `src` of this thread's warp, or, without `src`, of lane `lane ^ lane_mask`."""
     t = threading.current_thread()
     st = t._manager._snack_warps[t.thread_id // 32]
     lane = t.thread_id % 32
-    if lane_mask is not None:
+    if src is None:
         src = lane ^ lane_mask
     ph = st.phase[lane]
     st.phase[lane] = ph ^ 1
@@ -123,11 +124,11 @@ def _exchange(value, src, lane_mask=None):
 
 
 def _shfl_sync(self, mask, value, src_lane):
-    return _exchange(value, int(src_lane))
+    return _exchange(value, src=int(src_lane))
 
 
 def _shfl_xor_sync(self, mask, value, lane_mask):
-    return _exchange(value, 0, int(lane_mask))
+    return _exchange(value, lane_mask=int(lane_mask))
 
 
 _libdevice = types.SimpleNamespace(

@@ -29,9 +29,9 @@ def _workers() -> list:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: tests/test_gpu_kernels.py runs the kernels for real")
 def test_kernels_under_cuda_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    files = [str(ROOT / "tests" / "gpu_sim" / name) for name in ("shim_sim.py", "kernels_sim.py")]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *_workers(),
-                        str(ROOT / "tests" / "gpu_sim" / "shim_sim.py"), str(ROOT / "tests" / "gpu_sim" / "kernels_sim.py")], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=3000)
+                        *files], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
     print(r.stdout[-4000:], r.stderr[-2000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "failed" not in r.stdout

@@ -76,15 +76,16 @@ def test_capture_stream_needs_a_cuda_device():
         snack.graphs.capture_stream("cpu")
 
 
-def _run(device, dst_kind, graphed, steps=30, batch=16, last=11, tensor_lr=False):
+def _run(device, dst_kind, graphed, steps=30, batch=16, last=11, tensor_lr=False, schedule=True):
     """Trains `steps` steps (the last one on `last` examples) with Adam, the lr halved after step
     12 (with `tensor_lr`: torch's capturable Adam with its lr a tensor on the GPU, on a cosine
-    schedule that changes it at every step); returns (per-step losses, the model, the
+    schedule that changes it at every step, or constant without `schedule`); returns (per-step losses, the model, the
     CapturedStep or None)."""
     model = _model(device)
     if tensor_lr:
         opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(3e-3, device=device), capturable=True)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps if tensor_lr != "fixed" else 10**9)
+        sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps) if schedule
+                 else torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0))
     else:
         opt = snack.optim.Adam(model.parameters(), lr=3e-3)
         sched = torch.optim.lr_scheduler.StepLR(opt, 12, gamma=0.5)
@@ -141,9 +142,9 @@ def test_a_tensor_learning_rate_changes_in_the_replays_without_a_new_capture(dst
             assert torch.equal(a.indices, b.indices)
             torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-5)
     assert step.captures == 1 and step.eager_steps == 3 + 1 and step.replays == 26
-    # the schedule matters to the losses: with the lr (nearly) fixed at 3e-3 they part far beyond
-    # the tolerance above, so the agreement shows that the replays read each step's lr
-    fixed, _, _ = _run("cuda", dst_kind, graphed=False, tensor_lr="fixed")
+    # the schedule matters to the losses: with the lr fixed at 3e-3 they part far beyond the
+    # tolerance above, so the agreement shows that the replays read each step's lr
+    fixed, _, _ = _run("cuda", dst_kind, graphed=False, tensor_lr=True, schedule=False)
     assert max(abs(a - b) / abs(b) for a, b in zip(fixed, want)) > 1e-3
 
 
