@@ -14,6 +14,15 @@ so `import snack.functional` works too.
 """
 import importlib as _importlib
 import sys as _sys
+from pathlib import Path as _Path
+
+# In a source checkout the subpackages snack.core, snack.gpu and snack.layers are the folders
+# core/, gpu/ and layers/ beside this one: found here first, so that the checkout runs its own
+# code with its root on sys.path, without an install, and never another checkout's installed
+# in editable mode. An installed copy has them inside this folder instead.
+_ROOT = _Path(__file__).resolve().parent.parent
+if (_ROOT / "pyproject.toml").is_file() and all((_ROOT / d / "__init__.py").is_file() for d in ("core", "gpu", "layers")):
+    __path__.append(str(_ROOT))
 
 from snack.core import COO
 from snack.layers import functional, graphs, optim

@@ -122,3 +122,33 @@ def test_make_bench_bf16_measures_in_bfloat16_and_draws_what_it_wrote():
     # each plot reads the CSV its benchmark wrote
     assert rest[1][rest[1].index("--csv") + 1] == k.out
     assert rest[3][rest[3].index("--csv") + 1] == lay.out
+
+
+def test_a_checkout_imports_its_own_subpackages(tmp_path):
+    """With a checkout's root on sys.path, `import snack` takes core/, gpu/ and layers/ from that
+    checkout, without an install and whatever other checkout is installed in editable mode (this
+    one, under pytest: the copy must win over it); an installed copy (no pyproject.toml beside
+    the package) keeps its own."""
+    import shutil
+    import subprocess
+    for name in ("snack", "core", "gpu", "layers"):
+        shutil.copytree(ROOT / name, tmp_path / "src" / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "src")
+    code = ("import snack, snack.dst, snack.gpu.ops, snack.layers.linear\n"
+            "print(snack.core.__file__); print(snack.gpu.ops.__file__); print(snack.layers.linear.__file__)\n"
+            "print(type(snack.SparseLinear(6, 4, sparsity=0.5)(__import__('torch').randn(2, 6))).__name__)")
+    run = lambda: subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                                 env={**__import__("os").environ, "PYTHONPATH": str(tmp_path / "src")}, timeout=300)
+    r = run()
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.split()
+    assert lines[:3] == [str(tmp_path / "src" / p) for p in ("core/__init__.py", "gpu/ops.py", "layers/linear.py")]
+    assert lines[3] == "Tensor"
+    # laid out as an installed package: the subpackages inside snack/, no pyproject.toml
+    (tmp_path / "src" / "pyproject.toml").unlink()
+    for name in ("core", "gpu", "layers"):
+        shutil.move(tmp_path / "src" / name, tmp_path / "src" / "snack" / name)
+    r = run()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[:3] == [str(tmp_path / "src" / "snack" / p)
+                                    for p in ("core/__init__.py", "gpu/ops.py", "layers/linear.py")]
