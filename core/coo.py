@@ -46,6 +46,25 @@ def _check_shape(shape) -> Tuple[int, int]:
     return out[0], out[1]
 
 
+def check_mask(mask, shape, what: str = "dense") -> torch.Tensor:
+    """`mask` (bool, or any dtype holding only 0 and 1) of shape `shape` as a bool tensor on its
+    own device; raises TypeError/ValueError naming `mask` and what is wrong (`what` names the
+    tensor whose shape it must have)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"mask must have the shape of {what} {tuple(shape)}, got {tuple(mask.shape)}")
+    if mask.is_meta:
+        raise ValueError("mask is on the meta device: it holds no entries to keep")
+    if mask.dtype == torch.bool:
+        return mask
+    odd = ~((mask == 0) | (mask == 1))
+    if bool(odd.any()):
+        raise ValueError("mask must be bool or hold only 0 and 1, got the value "
+                         f"{mask[odd].flatten()[0].item()!r} (e.g. at {tuple(odd.nonzero()[0].tolist())})")
+    return mask != 0
+
+
 def validate_coo(indices: torch.Tensor, values: Optional[torch.Tensor], shape) -> Tuple[int, int]:
     """Checks indices/values/shape and raises ValueError/TypeError naming what is wrong.
 
@@ -364,7 +383,8 @@ class COO:
     # ---- conversions ---------------------------------------------------------------------
     @classmethod
     def from_dense(cls, dense: torch.Tensor, mask: Optional[torch.Tensor] = None) -> "COO":
-        """Keeps the entries where `mask` is true (default: where `dense` is non-zero)."""
+        """Keeps the entries where `mask` (bool, or 0 and 1) is true (default: where `dense` is
+        non-zero)."""
         if not isinstance(dense, torch.Tensor):
             raise TypeError(f"dense must be a torch.Tensor, got {type(dense).__name__}")
         if dense.dim() != 2:
@@ -372,14 +392,12 @@ class COO:
         if dense.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dense must be a floating tensor (float16/bfloat16/float32/float64), got {dense.dtype}")
         _check_shape(tuple(dense.shape))  # (int32 indices: each dimension below 2**31)
+        if dense.is_meta:
+            raise ValueError("dense is on the meta device: it holds no values to keep")
         if mask is None:
             mask = dense != 0
         else:
-            if not isinstance(mask, torch.Tensor):
-                raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
-            if mask.shape != dense.shape:
-                raise ValueError(f"mask must have the shape of dense {tuple(dense.shape)}, got {tuple(mask.shape)}")
-            mask = mask.to(device=dense.device, dtype=torch.bool)
+            mask = check_mask(mask, dense.shape).to(device=dense.device)
         idx = mask.nonzero().t().contiguous()  # row-major order already
         vals = dense[mask].contiguous()
         return cls(idx.to(INDEX_DTYPE), vals, tuple(dense.shape), check=False)

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from snack.core import INDEX_DTYPE, canonicalize, density_to_nnz, uniform_indices
+from snack.core.coo import check_mask
 from .functional import sparse_linear
 
 __all__ = ["SparseLinear"]
@@ -284,7 +285,9 @@ class SparseLinear(nn.Module):
                 NaN raises ValueError here (NaN has no magnitude to rank).
             mask: keep exactly the entries where mask (bool or 0/1, shape (out, in)) is true.
             With neither, the non-zero entries of the weight are kept (e.g. an already pruned
-            weight). Giving both raises ValueError.
+            weight). Giving both raises ValueError. A weight on the meta device (no values) with
+            `sparsity` gives a meta layer of that many connections, whose pattern a checkpoint
+            fills after `to_empty` (`load_state_dict`); with `mask`, a meta layer of the mask's.
         The result has the weight's device and dtype; its parameters are copies that require
         grad (unless the source is a Parameter that does not). Selection sorts |w|, which allocates temporaries of the dense size
         (the dense weight exists already).
@@ -308,25 +311,18 @@ class SparseLinear(nn.Module):
             raise ValueError("give sparsity or mask, not both")
         wd = w.detach()
         if mask is not None:
-            if not isinstance(mask, torch.Tensor):
-                raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
-            if tuple(mask.shape) != (out_f, in_f):
-                raise ValueError(f"mask must have the weight's shape {(out_f, in_f)}, got {tuple(mask.shape)}")
-            if mask.dtype != torch.bool:
-                odd = ~((mask == 0) | (mask == 1))
-                if bool(odd.any()):
-                    raise ValueError("mask must be bool or hold only 0 and 1, got the value "
-                                     f"{mask[odd].flatten()[0].item()!r} (e.g. at {tuple(odd.nonzero()[0].tolist())})")
-            keep = mask.to(device=wd.device) != 0
-            idx = keep.nonzero().t()                       # row-major order
+            idx = check_mask(mask, (out_f, in_f), "the weight").nonzero().t().to(wd.device)  # row-major order
             _warn_if_empty(idx.shape[1], (out_f, in_f), "the mask keeps no entry")
         elif sparsity is None:
+            if wd.is_meta:
+                raise ValueError("weight is on the meta device: it holds no values, so its non-zero entries "
+                                 "are unknown; give sparsity= (a meta layer of that many connections) or mask=")
             idx = (wd != 0).nonzero().t()
             _warn_if_empty(idx.shape[1], (out_f, in_f), "the weight has no non-zero entry")
         else:
             sparsity = _check_sparsity(sparsity)
             nan = torch.isnan(wd)
-            if bool(nan.any()):
+            if not wd.is_meta and bool(nan.any()):
                 raise ValueError(f"weight holds {int(nan.sum())} NaN value(s) (e.g. at "
                                  f"{tuple(nan.nonzero()[0].tolist())}): keeping the largest magnitudes "
                                  "cannot rank them; clean the weight or give a mask")

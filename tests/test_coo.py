@@ -269,6 +269,16 @@ def test_from_dense_with_mask_keeps_explicit_zeros(gen):
         COO.from_dense(d, mask=mask[:, :4])
     with pytest.raises(TypeError, match="mask"):
         COO.from_dense(d, mask=mask.numpy())
+    # a 0/1 mask of any dtype keeps its ones; other values are refused, as SparseLinear.from_dense does
+    c01 = COO.from_dense(d, mask=mask.to(torch.float32))
+    assert torch.equal(c01.indices, c.indices) and torch.equal(c01.values, c.values)
+    for bad, shown in ((torch.full((6, 8), 0.5), "0.5"), (mask.to(torch.int64) * 2, "2")):
+        with pytest.raises(ValueError, match=f"mask must be bool or hold only 0 and 1, got the value {shown}"):
+            COO.from_dense(d, mask=bad)
+    with pytest.raises(ValueError, match="mask is on the meta device"):
+        COO.from_dense(d, mask=mask.to("meta"))
+    with pytest.raises(ValueError, match="dense is on the meta device"):
+        COO.from_dense(d.to("meta"))
     with pytest.raises(ValueError, match="dense must be 2-D"):
         COO.from_dense(torch.ones(3))
     with pytest.raises(TypeError, match="dense must be a torch.Tensor"):

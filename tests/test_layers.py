@@ -193,6 +193,34 @@ def test_from_dense_mask_must_be_bool_or_zero_one():
             SparseLinear.from_dense(w, mask=bad)
 
 
+def test_from_dense_and_sparsify_on_the_meta_device():
+    """A meta weight has no values: with a sparsity it gives a meta layer of as many connections
+    as a real weight would (for a checkpoint to fill after to_empty), with a mask the mask's
+    pattern; without either, or with a meta mask, there is nothing to select and it says so."""
+    torch.manual_seed(0)
+    real = nn.Sequential(nn.Linear(30, 20), nn.ReLU(), nn.Linear(20, 10))
+    want = snack.sparsify(copy.deepcopy(real), sparsity=0.8, distribution="erk")
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(30, 20), nn.ReLU(), nn.Linear(20, 10))
+    got = snack.sparsify(meta, sparsity=0.8, distribution="erk")
+    for a, b in ((got[0], want[0]), (got[2], want[2])):
+        assert isinstance(a, SparseLinear) and a.values.is_meta and a.indices.is_meta and a.bias.is_meta
+        assert a.nnz == b.nnz and a.indices.dtype == torch.int32
+    got = got.to_empty(device="cpu")
+    got.load_state_dict(want.state_dict())
+    x = torch.randn(5, 30)
+    assert torch.equal(got(x), want(x))
+    w = torch.randn(6, 7, device="meta")
+    assert SparseLinear.from_dense(w, sparsity=0.5).nnz == SparseLinear.from_dense(torch.randn(6, 7), sparsity=0.5).nnz
+    mask = torch.rand(6, 7) < 0.3
+    m = SparseLinear.from_dense(w, mask=mask)
+    assert m.indices.is_meta and m.nnz == int(mask.sum())
+    with pytest.raises(ValueError, match="weight is on the meta device: it holds no values"):
+        SparseLinear.from_dense(w)
+    with pytest.raises(ValueError, match="mask is on the meta device"):
+        SparseLinear.from_dense(torch.randn(6, 7), mask=mask.to("meta"))
+
+
 def test_from_dense_by_magnitude_rejects_nan_but_a_mask_keeps_it():
     """NaN has no magnitude: keeping the largest |w| of a weight holding one raises (naming where),
     while a mask or the non-zeros of the weight choose the pattern without ranking it."""
