@@ -130,19 +130,23 @@ def _dense_of(m: nn.Module):
     return None
 
 
-def _unsafe_to_replace(m: nn.Module) -> str:
-    """Why replacing module m would change what the model computes, or "" if it is safe: a
-    subclass of nn.Linear with a forward of its own (its extra behaviour would be lost), hooks
-    registered on the module (they would stay behind on the dense one) or a parametrized weight
-    (torch.nn.utils.parametrize, weight_norm, spectral_norm)."""
+def _unsafe_to_replace(m: nn.Module, action: str = "sparsify") -> str:
+    """Why replacing module m (by `action`: sparsify or densify) would change what the model
+    computes, or "" if it is safe: a lazy module not yet initialized (nn.LazyLinear before its
+    first forward: no weight to keep), a subclass of nn.Linear with a forward of its own (its extra
+    behaviour would be lost), hooks registered on the module (they would stay behind on the
+    replaced one) or a parametrized weight (torch.nn.utils.parametrize, weight_norm,
+    spectral_norm)."""
     t = type(m)
+    if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
+        return f"{t.__name__} is not initialized yet (run a forward pass before {action})"
     if isinstance(m, nn.Linear) and t.forward is not nn.Linear.forward:
         return f"{t.__name__} subclasses nn.Linear with a forward of its own"
     hooks = [k for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
              if getattr(m, k, None)]
     if hooks:
         return (f"has hooks ({', '.join(h.strip('_').replace('_', ' ') for h in hooks)}); register them "
-                "after sparsify")
+                f"after {action}")
     if getattr(m, "parametrizations", None) is not None:
         return "its weight is parametrized (torch.nn.utils.parametrize)"
     return ""
@@ -394,7 +398,7 @@ def densify(model: nn.Module, *, include: Union[None, Pattern, Sequence[Pattern]
         sparse_names += names
         if not _selected(inc, exc, names, m):
             continue
-        why = _unsafe_to_replace(m)
+        why = _unsafe_to_replace(m, "densify")
         if why:
             kept.append(f"{name}: {why}" + (" (a snack.dst object's: call its remove_hooks())"
                                               if any(type(h).__name__ == "_CaptureHook"

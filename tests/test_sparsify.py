@@ -376,12 +376,25 @@ def test_densify_selection_shared_modules_and_a_bare_layer():
     assert type(lin) is nn.Linear and torch.equal(lin.weight, bare.to_dense().detach())
 
 
+def test_a_lazy_layer_is_converted_once_initialized():
+    model = nn.Sequential(nn.LazyLinear(5), nn.ReLU(), nn.Linear(5, 2))
+    with pytest.warns(UserWarning, match=r"0: LazyLinear is not initialized yet \(run a forward pass before sparsify\)"):
+        model, s = sparsify(model, 0.5, summary=True)
+    assert [n for n, _ in s.skipped] == ["0"] and isinstance(model[2], SparseLinear)
+    x = torch.randn(3, 7)
+    y = model(x)                      # initializes it (it becomes an nn.Linear)
+    sparsify(model, 0.0, include="0")
+    assert isinstance(model[0], SparseLinear) and model[0].in_features == 7
+    torch.testing.assert_close(model(x), y)
+
+
 def test_densify_leaves_hooked_layers_and_names_remove_hooks():
     model = nn.Sequential(SparseLinear(6, 5, sparsity=0.5), nn.ReLU(), SparseLinear(5, 2, sparsity=0.5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dst = snack.dst.RigL(model, opt, update_every=2, total_steps=10)
-    with pytest.warns(UserWarning, match="remove_hooks"):
+    with pytest.warns(UserWarning, match="remove_hooks") as rec:
         snack.densify(model)
+    assert "register them after densify" in str(rec[0].message)
     assert isinstance(model[0], SparseLinear) and isinstance(model[2], SparseLinear)
     dst.remove_hooks()
     snack.densify(model)
