@@ -13,12 +13,15 @@ which connections, never how many), which keeps every buffer's shape and address
 training step can be captured once in a CUDA graph and replayed. The one exception is
 `load_state_dict` of a checkpoint with another nnz (a layer made by `from_dense`, or at another
 sparsity): the layer takes the checkpoint's connections (build the optimizer, and capture graphs,
-after loading).
+after loading). An optimizer that already holds state of the old size for the layer's values
+(Adam's moments, SGD's momentum) is stopped at its next step, before it changes anything, by a
+RuntimeError that says so, unless its state was loaded to match too.
 """
 from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from numbers import Integral, Real
 from typing import Optional, Union
 
@@ -30,6 +33,43 @@ from snack.core.coo import check_mask
 from .functional import sparse_linear
 
 __all__ = ["SparseLinear"]
+
+# values Parameters resized by load_state_dict (by id: a weak reference and their number of
+# connections before), until an optimizer holding them steps with state of the new size or none;
+# the optimizer step pre-hook below, registered at the first resize, refuses a step whose state
+# has the old size
+_RESIZED: dict = {}
+_RESIZE_HOOK = []
+
+
+def _refuse_stale_optimizer_state(opt, args, kwargs):
+    if not _RESIZED:
+        return None
+    for group in opt.param_groups:
+        for p in group["params"]:
+            entry = _RESIZED.get(id(p))
+            if entry is None or entry[0]() is not p:
+                continue
+            old = entry[1]
+            stale = sorted(k for k, v in opt.state.get(p, {}).items()
+                           if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == old != p.shape[0])
+            if stale:
+                raise RuntimeError(
+                    f"{type(opt).__name__} holds state ({', '.join(map(str, stale))}) for {old} connections of a "
+                    f"SparseLinear that load_state_dict gave {p.shape[0]}: build the optimizer after loading "
+                    "the model, or load the optimizer's state_dict saved with that checkpoint")
+            del _RESIZED[id(p)]
+    return None
+
+
+def _note_resize(values: torch.Tensor, old_nnz: int) -> None:
+    entry = _RESIZED.get(id(values))
+    if entry is None or entry[0]() is not values:
+        key = id(values)
+        _RESIZED[key] = (weakref.ref(values, lambda _, key=key: _RESIZED.pop(key, None)), old_nnz)
+    if not _RESIZE_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _RESIZE_HOOK.append(register_optimizer_step_pre_hook(_refuse_stale_optimizer_state))
 
 
 def _check_features(name: str, n) -> int:
@@ -259,6 +299,7 @@ class SparseLinear(nn.Module):
             if nnz != self.nnz:
                 # (ordinary tensors even under torch.inference_mode: the layer must stay trainable
                 # and its topology cacheable)
+                _note_resize(self.values, self.nnz)
                 with torch.inference_mode(False), torch.no_grad():
                     self.values.data = self.values.new_empty(nnz)
                     self.values.grad = None  # a gradient of the old size would break the next backward

@@ -291,6 +291,43 @@ def test_state_dict_round_trip_bit_for_bit():
     assert torch.equal(a(x), b(x))    # the cached topology was rebuilt from the loaded indices
 
 
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.Adam(p, lr=1e-2), lambda p: snack.optim.Adam(p, lr=1e-2),
+                                      lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9)],
+                         ids=["torch-adam", "snack-adam", "sgd-momentum"])
+def test_an_optimizer_with_state_of_the_old_nnz_is_refused_before_it_steps(make_opt):
+    """After a checkpoint of another nnz is loaded, an optimizer holding state of the old size
+    stops with a RuntimeError that says why, before it changes anything; one built after the load,
+    or whose state was loaded to match, steps."""
+    import snack.layers.linear as linear_module
+    torch.manual_seed(4)
+    x = torch.randn(3, 8)
+    layer = SparseLinear(8, 4, sparsity=0.5)
+    opt = make_opt(layer.parameters())
+    layer(x).sum().backward()
+    opt.step()
+    ckpt_layer = SparseLinear(8, 4, sparsity=0.25)
+    ckpt_opt = make_opt(ckpt_layer.parameters())
+    ckpt_layer(x).sum().backward()
+    ckpt_opt.step()
+    layer.load_state_dict(ckpt_layer.state_dict())
+    layer(x).sum().backward()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"holds state \(.*\) for 16 connections of a SparseLinear that "
+                                           r"load_state_dict gave 24: build the optimizer after loading"):
+        opt.step()
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k])
+    opt.load_state_dict(ckpt_opt.state_dict())         # the optimizer's checkpoint too: it steps
+    opt.step()
+    assert not torch.equal(layer.values, before["values"])
+    assert not linear_module._RESIZED
+    layer.load_state_dict(SparseLinear(8, 4, sparsity=0.5).state_dict())
+    fresh = make_opt(layer.parameters())                # built after the load: it steps
+    layer(x).sum().backward()
+    fresh.step()
+    assert not linear_module._RESIZED
+
+
 def test_state_dict_of_another_nnz_loads():
     # a checkpoint with another number of connections (from_dense, another sparsity) loads into a
     # freshly built layer: values and indices take its size, indices stay int32
