@@ -11,6 +11,8 @@ scripts that time a grid of points, and their values.
 not.
 `read_rows(path, required, writer)`: a plot script's CSV rows, or one line saying why they
 cannot be drawn (not a CSV text, a CSV of another script, no rows).
+`bool_arg(text)`: an argparse type for a boolean option (true/false, yes/no, on/off, 1/0; anything
+else is a usage error).
 """
 from __future__ import annotations
 
@@ -67,6 +69,16 @@ def grid(ap: argparse.ArgumentParser, args: argparse.Namespace):
     sparsities = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0 <= s < 1, "in [0, 1)")
     batches = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "positive ints")
     return n_out, n_in, sparsities, batches
+
+
+def bool_arg(text: str) -> bool:
+    """True or False from a boolean option's text; argparse.ArgumentTypeError for anything else."""
+    v = str(text).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
 
 
 def auto_int(text: str):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -42,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 import snack  # noqa: E402
+from experiments.cli import bool_arg  # noqa: E402
 from experiments.data import DatasetNotFoundError, load  # noqa: E402
 from experiments.results_io import write_text  # noqa: E402
 from experiments.train_mnist import (backward_thread_name, environment, evaluate, lenet_300_100,  # noqa: E402
@@ -52,20 +54,21 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=None, help="default 3 (--quick: 1)")
     p.add_argument("--batch_size", type=int, default=128, help="global batch, split over the ranks")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--sparsity", type=float, default=0.9)
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate, > 0")
+    p.add_argument("--sparsity", type=float, default=0.9, help="fraction of connections removed, in [0, 1)")
     p.add_argument("--distribution", choices=("erk", "uniform"), default="erk")
     p.add_argument("--dst", choices=("rigl", "set", "none"), default="rigl")
     p.add_argument("--update_every", type=int, default=None, help="default 100 (--quick: 10)")
-    p.add_argument("--drop_fraction", type=float, default=0.3)
+    p.add_argument("--drop_fraction", type=float, default=0.3,
+                   help="fraction pruned and regrown per update (cosine decay), in [0, 1)")
     p.add_argument("--train_limit", type=int, default=None, help="default 0: all (--quick: 4000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
     p.add_argument("--backward_thread", choices=("caller", "device"), default="caller",
                    help="on a GPU: run each backward on the calling thread (default) or on autograd's worker thread")
-    p.add_argument("--progress", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    p.add_argument("--progress", type=bool_arg, nargs="?", const=True, default=True, help="tqdm bar (rank 0)")
     p.add_argument("--out_dir", default=str(ROOT / "results"), help="where rank 0 writes train_ddp.json")
-    p.add_argument("--save", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
+    p.add_argument("--save", type=bool_arg, nargs="?", const=True, default=True,
                    help="rank 0 also saves the trained model to <out_dir>/train_ddp_model.pt")
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
@@ -80,6 +83,12 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if not 0.0 <= a.sparsity < 1.0:
         p.error(f"--sparsity must be in [0, 1), got {a.sparsity}")
+    if not 0.0 < a.lr < math.inf:
+        p.error(f"--lr must be a finite number > 0, got {a.lr}")
+    if not 0.0 <= a.drop_fraction < 1.0:
+        p.error(f"--drop_fraction must be in [0, 1), got {a.drop_fraction}")
+    if not -2**63 <= a.seed < 2**64:
+        p.error(f"--seed must fit in 64 bits (torch.manual_seed), got {a.seed}")
     return a
 
 

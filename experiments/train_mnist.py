@@ -58,45 +58,48 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
 
 import snack  # noqa: E402
 from snack.layers.backend import backend_name  # noqa: E402
+from experiments.cli import bool_arg  # noqa: E402
 from experiments.cuda_workspaces import make_cublas_workspaces  # noqa: E402
 from experiments.data import DatasetNotFoundError, load  # noqa: E402
 from experiments.results_io import git_commit, save_torch, write_csv, write_text  # noqa: E402
 
 # ---- config: defaults, overridable with --key=value ------------------------------------------
-DEFAULTS = dict(
-    dataset="mnist",          # mnist | fashion-mnist
-    models="dense,sparse",    # which of the two to train, comma separated, in this order
-    sparsity=0.9,             # fraction of connections removed, over all layers together
-    distribution="erk",       # erk | uniform: how sparsity is spread over the layers
-    dst="none",               # none | set | rigl: dynamic sparse training of the sparse model
-    drop_fraction=0.3,        # dst: fraction pruned and regrown per update (cosine decay)
-    update_every=100,         # dst: steps between updates
-    dst_end=0.75,             # dst: no update after this fraction of training (1.0: to the end)
-    epochs=10,
-    batch_size=128,
-    optimizer="adam",         # adam | sgd (with momentum)
-    lr=1e-3,
-    momentum=0.9,             # sgd only
-    nesterov=False,           # sgd only: Nesterov momentum
-    weight_decay=0.0,
-    lr_decay_every=0,         # multiply lr by lr_decay every this many steps (0: constant lr)
-    lr_decay=0.1,
-    seed=0,
-    device="auto",            # auto | cpu | cuda
-    train_limit=0,            # use the first N training examples (0: all 60000)
-    test_limit=0,             # use the first N test examples (0: all 10000)
-    threads=0,                # torch CPU threads (0: torch's default)
-    cuda_graph="auto",        # auto | true | false: replay the training step from a CUDA graph
-                              # (auto: on a GPU; see above)
-    backward_thread="caller", # caller | device: where autograd runs the backward on a GPU: this thread
-                              # (torch.autograd.set_multithreading_enabled(False), faster for small
-                              # eager steps) or torch's worker thread per device (its default)
-    progress=True,            # tqdm bars
-    out_dir="results",        # train_mnist.csv and train_mnist.json go here
-    save=True,                # also <out_dir>/train_mnist_<model>.pt: each trained model (load_trained reads it)
-    quick=False,              # a tiny smoke run (see QUICK); explicit --key=value still win
+OPTIONS = (  # (key, default, what it sets: the option's --help)
+    ("dataset", "mnist", "mnist | fashion-mnist"),
+    ("models", "dense,sparse", "which of the two to train, comma separated, in this order"),
+    ("sparsity", 0.9, "fraction of connections removed, over all layers together, in [0, 1)"),
+    ("distribution", "erk", "erk | uniform: how sparsity is spread over the layers"),
+    ("dst", "none", "none | set | rigl: dynamic sparse training of the sparse model"),
+    ("drop_fraction", 0.3, "dst: fraction pruned and regrown per update (cosine decay), in [0, 1)"),
+    ("update_every", 100, "dst: steps between updates"),
+    ("dst_end", 0.75, "dst: no update after this fraction of training (1.0: to the end)"),
+    ("epochs", 10, "passes over the training examples"),
+    ("batch_size", 128, "examples per step"),
+    ("optimizer", "adam", "adam | sgd (with momentum)"),
+    ("lr", 1e-3, "learning rate, > 0"),
+    ("momentum", 0.9, "sgd only: momentum, >= 0"),
+    ("nesterov", False, "sgd only: Nesterov momentum"),
+    ("weight_decay", 0.0, "L2 penalty added to the gradients, >= 0"),
+    ("lr_decay_every", 0, "multiply lr by lr_decay every this many steps (0: constant lr)"),
+    ("lr_decay", 0.1, "factor of each lr decay, in (0, 1]"),
+    ("seed", 0, "seed of the initial weights, the batch order and DST's choices"),
+    ("device", "auto", "auto | cpu | cuda"),
+    ("train_limit", 0, "use the first N training examples (0: all 60000)"),
+    ("test_limit", 0, "use the first N test examples (0: all 10000)"),
+    ("threads", 0, "torch CPU threads (0: torch's default)"),
+    ("cuda_graph", "auto", "auto | true | false: replay the training step from a CUDA graph "
+                           "(auto: on a GPU)"),
+    ("backward_thread", "caller", "caller | device: where autograd runs the backward on a GPU: this "
+                                  "thread (torch.autograd.set_multithreading_enabled(False), faster for "
+                                  "small eager steps) or torch's worker thread per device (its default)"),
+    ("progress", True, "tqdm bars"),
+    ("out_dir", "results", "train_mnist.csv and train_mnist.json go here"),
+    ("save", True, "also <out_dir>/train_mnist_<model>.pt: each trained model (load_trained reads it)"),
+    ("quick", False, "a smoke run of seconds (the values marked --quick); explicit --key=value still win"),
 )
-QUICK = dict(epochs=1, train_limit=3000, test_limit=1000, batch_size=64)
+DEFAULTS = {key: default for key, default, _ in OPTIONS}
+# --quick: few steps, and a DST update every 10 of them (at least one before dst_end)
+QUICK = dict(epochs=1, train_limit=3000, test_limit=1000, batch_size=64, update_every=10)
 
 
 def _auto_bool(s: str):
@@ -104,35 +107,24 @@ def _auto_bool(s: str):
     if str(s).strip().lower() == "auto":
         return "auto"
     try:
-        return _bool(s)
+        return bool_arg(s)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected auto, true or false, got {s!r}") from None
-
-
-def _bool(s: str) -> bool:
-    v = str(s).strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {s!r}")
 
 
 def parse_config(argv=None) -> dict:
     """DEFAULTS overridden by --key=value (or --key value) arguments; --quick applies QUICK."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    for key, default in DEFAULTS.items():
+    for key, default, text in OPTIONS:
         flag = "--" + key
+        text = f"{text} (default {default}" + (f"; --quick: {QUICK[key]})" if key in QUICK else ")")
         if key == "cuda_graph":
-            p.add_argument(flag, type=_auto_bool, nargs="?", const=True, default=argparse.SUPPRESS,
-                           help=f"auto, true or false (default {default})")
+            p.add_argument(flag, type=_auto_bool, nargs="?", const=True, default=argparse.SUPPRESS, help=text)
         elif isinstance(default, bool):
-            p.add_argument(flag, type=_bool, nargs="?", const=True, default=argparse.SUPPRESS,
-                           help=f"(default {default})")
+            p.add_argument(flag, type=bool_arg, nargs="?", const=True, default=argparse.SUPPRESS, help=text)
         else:
-            p.add_argument(flag, type=type(default), default=argparse.SUPPRESS,
-                           help=f"(default {default})")
+            p.add_argument(flag, type=type(default), default=argparse.SUPPRESS, help=text)
     given = vars(p.parse_args(argv))
     cfg = dict(DEFAULTS)
     if given.get("quick", False):
@@ -182,8 +174,13 @@ def _validate(cfg: dict) -> None:
     for key in ("train_limit", "test_limit", "threads"):
         if cfg[key] < 0:
             raise ValueError(f"{key} must be >= 0, got {cfg[key]}")
-    if not cfg["lr"] > 0:
-        raise ValueError(f"lr must be positive, got {cfg['lr']}")
+    if not 0.0 < cfg["lr"] < math.inf:
+        raise ValueError(f"lr must be a finite number > 0, got {cfg['lr']}")
+    for key in ("momentum", "weight_decay"):
+        if not 0.0 <= cfg[key] < math.inf:
+            raise ValueError(f"{key} must be a finite number >= 0, got {cfg[key]}")
+    if not -2**63 <= cfg["seed"] < 2**64:
+        raise ValueError(f"seed must fit in 64 bits (torch.manual_seed), got {cfg['seed']}")
     if cfg["nesterov"] and (cfg["optimizer"] != "sgd" or not cfg["momentum"] > 0):
         raise ValueError(f"nesterov needs optimizer=sgd with momentum > 0, got optimizer={cfg['optimizer']!r}, "
                          f"momentum={cfg['momentum']}")

@@ -444,6 +444,20 @@ def test_train_ddp_command_line(capsys):
     assert "--epochs must be >= 1" in _usage_error(capsys, t.parse, ["--epochs=0"])
     assert "--train_limit must be >= 0" in _usage_error(capsys, t.parse, ["--train_limit=-5"])
     assert "invalid choice" in _usage_error(capsys, t.parse, ["--dst=magnitude"])
+    for argv, msg in ((["--lr=-1"], "--lr must be a finite number > 0, got -1.0"),
+                      (["--lr=nan"], "--lr must be a finite number > 0"),
+                      (["--drop_fraction=2"], "--drop_fraction must be in [0, 1), got 2.0"),
+                      (["--drop_fraction=-0.5"], "--drop_fraction must be in [0, 1)"),
+                      (["--seed=-9223372036854775809"], "--seed must fit in 64 bits"),
+                      (["--save=ture"], "argument --save: expected a boolean (true/false), got 'ture'"),
+                      (["--save=maybe"], "argument --save: expected a boolean"),
+                      (["--progress=maybe"], "argument --progress: expected a boolean")):
+        assert msg in _usage_error(capsys, t.parse, argv), argv
+    # booleans as train_mnist.py takes them: true/false, yes/no, on/off, 1/0, or the bare flag
+    for argv, want in (([], True), (["--save"], True), (["--save=false"], False), (["--save", "no"], False),
+                       (["--save=OFF"], False), (["--save=1"], True)):
+        assert t.parse(argv).save is want, argv
+    assert t.parse(["--progress=false"]).progress is False
 
 
 def test_git_commit_names_the_checkout_and_yields_to_snack_commit(monkeypatch):

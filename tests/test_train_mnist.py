@@ -104,11 +104,15 @@ def test_quick_run_is_truly_sparse(quick_run):
 
 @pytest.mark.parametrize("dst", ["set", "rigl"])
 def test_quick_run_with_dynamic_sparse_training(tmp_path, dst):
+    """--quick with --dst and no --update_every: DST really prunes and regrows (47 steps, an update
+    every 10 until step 35), so the trained connections are not the initial ones."""
     from experiments import train_mnist as tm
-    rows = tm.main(["--quick", "--models=sparse", f"--dst={dst}", "--update_every=10",
+    import snack
+    rows = tm.main(["--quick", "--models=sparse", f"--dst={dst}",
                     "--progress=false", "--device=cpu", f"--out_dir={tmp_path}"])
     (r,) = rows
     assert r["model"] == "sparse" and r["dst"] == dst
+    assert r["dst_updates"] == 3  # at steps 10, 20, 30
     assert abs(r["connections"] - 26620) <= 3  # prune and regrow keep nnz
     assert r["test_acc"] > 0.5, f"{dst}: test accuracy {r['test_acc']:.3f}"
     with open(tmp_path / "train_mnist.csv") as f:
@@ -118,6 +122,15 @@ def test_quick_run_with_dynamic_sparse_training(tmp_path, dst):
     assert sum(m.nnz for m in model if hasattr(m, "nnz")) == r["connections"]
     assert tm.evaluate(model, *tm.load("mnist", "test", limit=1000, device=torch.device("cpu"))) == \
         pytest.approx(r["test_acc"], abs=1e-9)
+    torch.manual_seed(0)  # the run's initial sparse model: same seed, same sparsify
+    initial = tm.build("sparse", tm.lenet_300_100(), tm.parse_config(["--quick"]))
+
+    def patterns(m):
+        return [set(map(tuple, layer.indices.t().tolist())) for layer in m.modules()
+                if isinstance(layer, snack.SparseLinear)]
+    before, after = patterns(initial), patterns(model)
+    assert [len(p) for p in before] == [len(p) for p in after]  # each layer keeps its nnz
+    assert any(b != a for b, a in zip(before, after)), "DST left every layer's connections as they were"
 
 
 def test_save_false_writes_no_model(tmp_path):
@@ -152,6 +165,8 @@ def test_config_overrides():
     assert (cfg["sparsity"], cfg["distribution"], cfg["epochs"], cfg["progress"]) == (0.95, "uniform", 7, False)
     cfg = tm.parse_config(["--quick", "--epochs=2"])  # explicit values win over --quick's
     assert cfg["epochs"] == 2 and cfg["train_limit"] == tm.QUICK["train_limit"]
+    assert cfg["update_every"] == 10 and tm.parse_config(["--quick=true", "--update_every=100"])["update_every"] == 100
+    assert tm.parse_config(["--quick"])["quick"] is True and tm.parse_config(["--quick=false"]) == tm.DEFAULTS
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -170,6 +185,14 @@ def test_config_overrides():
     (["--lr_decay=0"], "lr_decay must be in"),
     (["--backward_thread=gpu"], "backward_thread must be 'caller' or 'device'"),
     (["--cuda_graph", "--device=cpu"], "cuda_graph needs a CUDA GPU, got device='cpu'"),
+    (["--drop_fraction=-0.1"], r"drop_fraction must be in \[0, 1\)"),
+    (["--drop_fraction=1"], r"drop_fraction must be in \[0, 1\)"),
+    (["--lr=0"], "lr must be a finite number > 0"),
+    (["--lr=inf"], "lr must be a finite number > 0"),
+    (["--optimizer=sgd", "--momentum=-3"], "momentum must be a finite number >= 0"),
+    (["--weight_decay=-1"], "weight_decay must be a finite number >= 0"),
+    (["--weight_decay=nan"], "weight_decay must be a finite number >= 0"),
+    (["--seed=18446744073709551616"], "seed must fit in 64 bits"),
 ])
 def test_bad_config_raises(argv, match):
     from experiments import train_mnist as tm
@@ -296,12 +319,17 @@ def test_bad_command_line_values_exit_with_one_line(tmp_path):
     import sys
     for script, argv, msg in (("train_mnist.py", ["--sparsity=1.5"], "sparsity must be in"),
                               ("train_mnist.py", ["--models=dense,dense"], "each once"),
+                              ("train_mnist.py", ["--optimizer=sgd", "--momentum=-3"], "momentum must be"),
+                              ("train_ddp.py", ["--save=ture"], "--save: expected a boolean"),
+                              ("train_ddp.py", ["--drop_fraction=2"], "--drop_fraction must be in [0, 1)"),
                               ("bench_cpu.py", ["--batches="], "--batches must be a comma-separated list"),
                               ("bench_cpu.py", ["--batches=0,4"], "--batches must be batch sizes >= 1"),
                               ("bench_cpu.py", ["--rounds=0"], "--rounds must be >= 1")):
         r = subprocess.run([sys.executable, str(ROOT / "experiments" / script), *argv], capture_output=True,
                            text=True, timeout=300, cwd=tmp_path)
-        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (script, argv, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (script, argv, r.stderr)
+        assert last.startswith(f"{script}: error: ") and msg in last, (script, argv, r.stderr)
 
 
 def test_result_files_are_written_whole(tmp_path, monkeypatch):
