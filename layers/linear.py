@@ -126,6 +126,9 @@ class SparseLinear(nn.Module):
     i.e. each kept weight has the distribution it would have in the dense layer (the output's
     variance is then (1 - sparsity) times the dense layer's).
     Input (..., in_features) -> output (..., out_features), on values' device and dtype.
+    torch.nn.utils.parametrize takes the bias but not `values` (a name torch's parametrization
+    container, a ModuleDict, holds as a method: KeyError, and the failed call leaves the layer
+    without its values); transform the values in a module around the layer instead.
     The topology metadata is rebuilt (and validated, with a host sync) whenever `indices` is
     written in place; under DistributedDataParallel pass forward_sync_buffers=False (torch >= 2.13;
     before it broadcast_buffers=False; all ranks build the same pattern from the same seed, or
@@ -206,7 +209,9 @@ class SparseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the parameters and the buffer straight from their dicts (nn.Module.__getattr__ costs
         # ~0.3-0.6 us per name, per call); torch.func.functional_call swaps the dicts' entries,
-        # so it is seen; a name moved out of them (torch.nn.utils.parametrize) goes through getattr
+        # so it is seen; a name moved out of them (torch.nn.utils.parametrize of the bias) goes
+        # through getattr. (torch cannot parametrize `values`: its ParametrizationList container,
+        # a ModuleDict, has a method of that name, and register_parametrization raises KeyError.)
         params, buffers = self._parameters, self._buffers
         values = params["values"] if "values" in params else self.values
         bias = params["bias"] if "bias" in params else self.bias
