@@ -46,6 +46,28 @@ def _check_shape(shape) -> Tuple[int, int]:
     return out[0], out[1]
 
 
+def check_device(device, name: str = "device") -> Optional[torch.device]:
+    """`device` (None, a torch.device, a string or an index) as a torch.device; TypeError/ValueError
+    naming `name` where it is not one, or is a CUDA device that torch cannot reach."""
+    if device is None:
+        return None
+    try:
+        if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+            dev = torch.device("cuda", int(device))  # an index names a CUDA device, as in torch
+        else:
+            dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise (ValueError if isinstance(device, (str, int, np.integer)) else TypeError)(
+            f"{name} must be a torch.device or a name such as 'cpu' or 'cuda:0', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={device!r}, but torch sees no CUDA GPU (torch.cuda.is_available() is False: "
+                             "a CPU build of torch, or no driver)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={device!r}, but torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def check_mask(mask, shape, what: str = "dense") -> torch.Tensor:
     """`mask` (bool, or any dtype holding only 0 and 1) of shape `shape` as a bool tensor on its
     own device; raises TypeError/ValueError naming `mask` and what is wrong (`what` names the
@@ -474,6 +496,7 @@ class COO:
         entries, built without a dense matrix; values ~ N(0, 1) ('normal') or ones ('ones')."""
         from .topology import uniform_indices
         rows, cols = _check_shape(shape)
+        device = check_device(device)
         if seed is not None and generator is not None:
             raise ValueError("give seed or generator, not both")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):

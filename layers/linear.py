@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from snack.core import INDEX_DTYPE, canonicalize, density_to_nnz, uniform_indices
-from snack.core.coo import check_mask
+from snack.core.coo import check_device, check_mask
 from .functional import sparse_linear
 
 __all__ = ["SparseLinear"]
@@ -146,6 +146,7 @@ class SparseLinear(nn.Module):
         out_features = _check_features("out_features", out_features)
         sparsity = _check_sparsity(sparsity)
         _check_dtype(dtype)
+        device = check_device(device)
         nnz = density_to_nnz((out_features, in_features), density=1.0 - sparsity)
         if sparsity > 0:
             _warn_if_empty(nnz, (out_features, in_features), f"sparsity={sparsity} of "

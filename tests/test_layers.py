@@ -193,6 +193,22 @@ def test_from_dense_mask_must_be_bool_or_zero_one():
             SparseLinear.from_dense(w, mask=bad)
 
 
+def test_a_device_torch_cannot_reach_is_refused_by_name():
+    from snack.core import COO
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    unreachable = [f"cuda:{n}", torch.device("cuda", n)] + ([] if n else ["cuda", 0])
+    for dev in unreachable:
+        for make in (lambda: SparseLinear(4, 3, device=dev), lambda: COO.random((3, 4), density=0.5, device=dev)):
+            with pytest.raises(ValueError, match=r"device=.*but torch sees (no CUDA GPU|\d+ CUDA device)"):
+                make()
+    for bad, err in (("gpu", ValueError), (3.5, TypeError)):
+        with pytest.raises(err, match="device must be a torch.device or a name such as 'cpu' or 'cuda:0', got"):
+            SparseLinear(4, 3, device=bad)
+    assert SparseLinear(4, 3, device="cpu").values.device.type == "cpu"
+    if n:
+        assert SparseLinear(4, 3, device=n - 1).indices.device == torch.device("cuda", n - 1)
+
+
 def test_from_dense_and_sparsify_on_the_meta_device():
     """A meta weight has no values: with a sparsity it gives a meta layer of as many connections
     as a real weight would (for a checkpoint to fill after to_empty), with a mask the mask's
