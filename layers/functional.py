@@ -42,12 +42,33 @@ from torch.autograd import forward_ad
 from torch._C._functorch import maybe_current_level as _current_level
 
 from . import backend, library
+from .backend import _version_of
 from snack.core import Topology
 from snack.core.coo import REBUILD
 
 __all__ = ["sparse_linear", "SparseLinearFunction", "settle_autograd"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _keep_topology(ctx, topo: Topology) -> None:
+    """Keeps the forward's topology for the backward, with the version of its index tensor: the
+    pattern is not a saved tensor (autograd would not see it change), so `_check_topology` does
+    what autograd does for saved tensors modified in place."""
+    ctx.topo = topo
+    ctx.topo_version = _version_of(topo.indices)
+
+
+def _check_topology(ctx) -> None:
+    """RuntimeError where the forward's pattern changed in place before its backward (indices
+    written, a layer's load_state_dict, dst.step(), or a later call that refreshed the cached
+    topology from indices written in place): the gradients would be those of the new pattern."""
+    if _version_of(ctx.topo.indices) != ctx.topo_version:
+        raise RuntimeError(
+            "sparse_linear's backward: the connection pattern (indices) of its forward was modified in place "
+            "since (indices written, load_state_dict, or a DST step between forward and backward); its "
+            "gradients would be those of the new pattern. Run the backward before changing the pattern, "
+            "or run the forward again")
 
 
 class SparseLinearFunction(torch.autograd.Function):
@@ -69,7 +90,7 @@ class SparseLinearFunction(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, values, bias, topo = inputs
-        ctx.topo = topo
+        _keep_topology(ctx, topo)
         ctx.has_bias = bias is not None
         need_x, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.save_for_backward(x if need_v else None, values if need_x else None)
@@ -79,6 +100,7 @@ class SparseLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, values = ctx.saved_tensors
+        _check_topology(ctx)
         need_dx, need_dv = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
         if torch._C._functorch.is_legacy_batchedtensor(dy):
@@ -122,13 +144,14 @@ def _bilinear_function(name: str, doc: str, op, vjp, fold: bool):
 
     def setup_context(ctx, inputs, output):
         a, b, topo = inputs
-        ctx.topo = topo
+        _keep_topology(ctx, topo)
         ctx.save_for_backward(a, b)
         if _forward_mode():
             ctx.save_for_forward(a, b)
 
     def backward(ctx, g):
         a, b = ctx.saved_tensors
+        _check_topology(ctx)
         return vjp(a, b, g.contiguous(), ctx.topo, ctx.needs_input_grad[0], ctx.needs_input_grad[1]) + (None,)
 
     def jvp(ctx, da, db, _):

@@ -730,3 +730,34 @@ def test_force_backend_blocks_of_two_threads_closing_out_of_order():
             assert backend.backend_name("cpu") == "cpu"
         assert backend.backend_name("cpu") == "reference"
     assert backend.backend_name("cpu") == "cpu"
+
+
+@pytest.mark.parametrize("how", ["written", "refreshed", "dst-step", "load"])
+def test_a_pattern_changed_in_place_between_forward_and_backward_is_refused(how):
+    """The pattern is not a saved tensor, so autograd cannot see it change: the backward checks
+    it, as autograd does for saved tensors modified in place, instead of returning the new
+    pattern's gradients. Not changed, or changed only after the backward, nothing is refused."""
+    torch.manual_seed(3)
+    layer = snack.SparseLinear(8, 6, sparsity=0.5)
+    x = torch.randn(3, 8)                        # no gradient for x: only x is saved, not values
+    other = snack.SparseLinear(8, 6, sparsity=0.5)
+    y = layer(x)
+    if how == "written":
+        layer.indices.copy_(other.indices)
+    elif how == "refreshed":                     # written, then a forward that refreshes the topology
+        layer.indices.copy_(other.indices)
+        layer(x)
+    elif how == "dst-step":
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        snack.dst.SET(layer, opt, update_every=1, drop_fraction=0.5, decay="constant").step()
+    else:
+        layer.load_state_dict(other.state_dict())
+    with pytest.raises(RuntimeError, match="connection pattern .indices. of its forward was modified in place"):
+        y.sum().backward()
+    # a new forward on the pattern as it is now: its backward gives that pattern's gradient
+    layer.values.grad = None
+    layer(x).sum().backward()
+    dense = layer.to_dense().detach().requires_grad_()
+    (x @ dense.t()).sum().backward()
+    idx = layer.indices.long()
+    torch.testing.assert_close(layer.values.grad, dense.grad[idx[0], idx[1]])
