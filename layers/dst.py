@@ -172,6 +172,11 @@ class _CaptureHook:
     def __init__(self, dst: Optional["DynamicSparseTraining"] = None):
         self._ref = weakref.ref(dst) if dst is not None else None
 
+    @property
+    def alive(self) -> bool:
+        """Whether a DST object is behind this hook (False in a copy, or once that object is gone)."""
+        return self._ref is not None and self._ref() is not None
+
     def __call__(self, module, inputs, output):
         dst = self._ref() if self._ref is not None else None
         if dst is not None:

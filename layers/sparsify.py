@@ -398,6 +398,10 @@ def densify(model: nn.Module, *, include: Union[None, Pattern, Sequence[Pattern]
         sparse_names += names
         if not _selected(inc, exc, names, m):
             continue
+        for key in [k for k, h in m._forward_hooks.items()
+                    if type(h).__name__ == "_CaptureHook" and not h.alive]:
+            for hooks in (m._forward_hooks, m._forward_hooks_with_kwargs, m._forward_hooks_always_called):
+                hooks.pop(key, None)     # a copied (or orphaned) RigL hook: it does nothing
         why = _unsafe_to_replace(m, "densify")
         if why:
             kept.append(f"{name}: {why}" + (" (a snack.dst object's: call its remove_hooks())"

@@ -2,7 +2,10 @@
 each keeps its largest-magnitude weights and its bias, uniform vs ERK totals, include/exclude,
 tied and MultiheadAttention weights left dense, and the summary.
 """
+import copy
+import io
 import types
+import warnings
 
 import pytest
 import torch
@@ -388,6 +391,13 @@ def test_a_lazy_layer_is_converted_once_initialized():
     torch.testing.assert_close(model(x), y)
 
 
+def _saved_and_loaded(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
 def test_densify_leaves_hooked_layers_and_names_remove_hooks():
     model = nn.Sequential(SparseLinear(6, 5, sparsity=0.5), nn.ReLU(), SparseLinear(5, 2, sparsity=0.5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -395,6 +405,16 @@ def test_densify_leaves_hooked_layers_and_names_remove_hooks():
     with pytest.warns(UserWarning, match="remove_hooks") as rec:
         snack.densify(model)
     assert "register them after densify" in str(rec[0].message)
+    # a copy (deepcopy, or torch.save / torch.load) carries the hooks as no-ops: densify drops them
+    for copied in (copy.deepcopy(model), _saved_and_loaded(model)):
+        assert isinstance(copied[0], SparseLinear) and copied[0]._forward_hooks
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            dense = snack.densify(copied)
+        assert type(dense[0]) is nn.Linear and type(dense[2]) is nn.Linear
+        x = torch.randn(3, 6)
+        torch.testing.assert_close(dense(x), model(x))
+    assert all(isinstance(model[i], SparseLinear) and model[i]._forward_hooks for i in (0, 2))
     assert isinstance(model[0], SparseLinear) and isinstance(model[2], SparseLinear)
     dst.remove_hooks()
     snack.densify(model)
