@@ -397,6 +397,7 @@ class COO:
             device, dtype = None, device
         if dtype is not None and dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype must be a floating dtype (float16/bfloat16/float32/float64), got {dtype!r}")
+        device = check_device(device)
         topo = self.topology.to(device) if device is not None else self.topology
         vals = self.values.to(device=device if device is not None else self.values.device,
                               dtype=dtype if dtype is not None else self.values.dtype)

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from .functional import settle_autograd
+from snack.core.coo import check_device
 
 __all__ = ["CapturedStep", "capture_stream"]
 
@@ -35,7 +36,10 @@ def capture_stream(device=None) -> torch.cuda.Stream:
     workspace of its own (32 MiB on an H100), so a new stream per capture would add one each.
     Run a GEMM and its backward under it before measuring peak memory to make its workspaces
     first."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device is None and not torch.cuda.is_available():
+        raise ValueError("capture_stream needs a CUDA device, and torch sees none (torch.cuda.is_available() "
+                         "is False)")
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else check_device(device)
     if dev.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {dev}")
     index = dev.index if dev.index is not None else torch.cuda.current_device()

@@ -461,6 +461,10 @@ def test_coo_owns_its_indices_and_checks_dtypes():
                 lambda: COO.random((3, 3), density=0.5, dtype=torch.int32)):
         with pytest.raises(TypeError, match="floating dtype"):
             bad()
+    with pytest.raises(ValueError, match="device must be a torch.device or a name .* got 'float64'"):
+        c.to("float64")                          # a dtype's name is not a device
+    with pytest.raises(ValueError, match="but torch sees"):
+        c.to(f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     with pytest.raises(ValueError, match="seed or generator, not both"):
         COO.random((3, 3), density=0.5, seed=1, generator=torch.Generator())
     assert COO.random((5, 6), density=np.float32(0.5), seed=1).nnz == 15

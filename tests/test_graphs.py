@@ -70,10 +70,15 @@ def test_bad_arguments_raise():
     assert step.eager_steps == 0
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without a GPU")
 def test_capture_stream_needs_a_cuda_device():
     with pytest.raises(ValueError, match="device must be a CUDA device, got cpu"):
         snack.graphs.capture_stream("cpu")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match="but torch sees"):
+        snack.graphs.capture_stream(f"cuda:{n}")
+    if not n:
+        with pytest.raises(ValueError, match="capture_stream needs a CUDA device, and torch sees none"):
+            snack.graphs.capture_stream()
 
 
 def _run(device, dst_kind, graphed, steps=30, batch=16, last=11, tensor_lr=False, schedule=True):
