@@ -187,6 +187,9 @@ class _CaptureHook:
 
 
 # ---- the base class ----------------------------------------------------------------------------
+_SCHEDULE_KEYS = ("drop_fraction", "update_every", "end_step", "decay")
+
+
 def _disable_keep_in_compiled_code() -> None:
     """DynamicSparseTraining._keep wrapped in torch.compiler.disable, once per process."""
     keep = DynamicSparseTraining._keep
@@ -257,8 +260,12 @@ class DynamicSparseTraining:
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "state"):
             raise TypeError("optimizer must be a torch.optim.Optimizer (with param_groups and "
                             f"state), got {type(optimizer).__name__}")
-        if isinstance(drop_fraction, bool) or not isinstance(drop_fraction, Real) \
-                or math.isnan(drop_fraction) or not 0.0 <= float(drop_fraction) < 1.0:
+        if isinstance(drop_fraction, torch.Tensor) and drop_fraction.dim() == 0 \
+                and drop_fraction.is_floating_point():
+            drop_fraction = float(drop_fraction)    # a 0-d tensor, as a float
+        if isinstance(drop_fraction, bool) or not isinstance(drop_fraction, Real):
+            raise TypeError(f"drop_fraction must be a number in [0, 1), got {type(drop_fraction).__name__}")
+        if math.isnan(drop_fraction) or not 0.0 <= float(drop_fraction) < 1.0:
             raise ValueError(f"drop_fraction must be a number in [0, 1), got {drop_fraction!r}")
         update_every = self._check_int("update_every", update_every)
         if end_step is not None:
@@ -316,6 +323,10 @@ class DynamicSparseTraining:
         self.drop_fraction = float(drop_fraction)
         self.update_every = update_every
         self.total_steps = total_steps
+        if end_step is not None and total_steps is not None and end_step > total_steps + 1:
+            warnings.warn(f"{type(self).__name__}: end_step={end_step} is past total_steps={total_steps} (the "
+                          "training's end): updates run to the end of training (end_step=total_steps + 1 "
+                          "says so)", stacklevel=2)
         if end_step is None and total_steps is not None:
             end_step = max(1, int(0.75 * total_steps))
         self.end_step = end_step
@@ -335,6 +346,7 @@ class DynamicSparseTraining:
         self.last_update: Optional[UpdateSummary] = None
         self._captured: Dict[int, list] = {}
         self._hooks = []
+        self._hooks_removed = False
         if self.needs_gradient:
             for _, m in self.layers:
                 self._hooks.append(m.register_forward_hook(_CaptureHook(self)))
@@ -465,12 +477,16 @@ class DynamicSparseTraining:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._hooks_removed = True
         self._captured.clear()
 
     # ---- the update ---------------------------------------------------------------------------
     def step(self) -> Optional[UpdateSummary]:
         """Counts one training step; on an update step prunes and regrows every layer and returns
         the `UpdateSummary` (also kept in `last_update`), else returns None."""
+        if self._hooks_removed and self.needs_gradient:
+            raise RuntimeError(f"{type(self).__name__}.step() after remove_hooks(): the dense gradients its "
+                               "growth needs are no longer captured; build a new one to go on")
         self._step += 1
         t = self._step
         if not self.is_update_step(t):
@@ -694,7 +710,8 @@ class DynamicSparseTraining:
                 "end_step": self.end_step, "decay": self.decay}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores the step count and the random generator (hyper-parameters stay as built)."""
+        """Restores the step count and the random generator (hyper-parameters stay as built:
+        a checkpoint made with another schedule is loaded with a warning naming the differences)."""
         if not isinstance(state, dict) or "step" not in state or "rng_state" not in state:
             raise ValueError("state must be a dict from DynamicSparseTraining.state_dict() with "
                              f"'step' and 'rng_state', got {type(state).__name__}"
@@ -711,6 +728,11 @@ class DynamicSparseTraining:
         except (TypeError, RuntimeError) as e:
             raise TypeError(f"state['rng_state'] is not a CPU generator state from "
                             f"torch.Generator.get_state() ({e})") from None
+        differ = [f"{k}={state[k]!r} (here {getattr(self, k)!r})" for k in _SCHEDULE_KEYS
+                  if k in state and state[k] != getattr(self, k)]
+        if differ:
+            warnings.warn(f"{type(self).__name__}.load_state_dict: the checkpoint's schedule differs: "
+                          f"{', '.join(differ)}; the run goes on with this object's", stacklevel=2)
         self._gen.set_state(rng)
         self._step = int(step)
         self.seed = int(seed)

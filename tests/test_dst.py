@@ -10,6 +10,8 @@ arguments, and no tensor of the dense weight's size during an update.
 import copy
 import math
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -560,7 +562,7 @@ def _bad_cases():
         (dict(drop_fraction=1.0), ValueError, "drop_fraction"),
         (dict(drop_fraction=-0.1), ValueError, "drop_fraction"),
         (dict(drop_fraction=float("nan")), ValueError, "drop_fraction"),
-        (dict(drop_fraction="0.3"), ValueError, "drop_fraction"),
+        (dict(drop_fraction="0.3"), TypeError, "drop_fraction must be a number in .0, 1., got str"),
         (dict(update_every=0), ValueError, "update_every"),
         (dict(update_every=1.5), TypeError, "update_every"),
         (dict(end_step=0), ValueError, "end_step"),
@@ -605,6 +607,33 @@ def test_bad_rigl_block_and_state_dict():
         assert torch.equal(dst._gen.get_state(), sd["rng_state"])
     with pytest.raises(ValueError, match="seed must fit in 64 bits"):
         SET(m, opt, seed=2**70)
+
+
+def test_a_tensor_drop_fraction_a_checkpoint_of_another_schedule_and_a_step_after_remove_hooks():
+    m = _mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    assert SET(m, opt, drop_fraction=torch.tensor(0.25)).drop_fraction == 0.25
+    with pytest.warns(UserWarning, match="end_step=500 is past total_steps=100"):
+        SET(m, opt, total_steps=100, end_step=500)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SET(m, opt, total_steps=100, end_step=101)      # updates to the last step
+    sd = SET(m, opt, update_every=5, decay="constant").state_dict()
+    dst = SET(m, opt, update_every=50, decay="constant")
+    with pytest.warns(UserWarning, match=r"schedule differs: update_every=5 \(here 50\); the run goes on"):
+        dst.load_state_dict(sd)
+    assert dst.update_every == 50 and dst.num_steps == sd["step"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SET(m, opt, update_every=5, decay="constant").load_state_dict(sd)   # the same schedule: silent
+    rigl = RigL(m, opt, update_every=1, decay="constant")
+    rigl.remove_hooks()
+    with pytest.raises(RuntimeError, match=r"RigL.step\(\) after remove_hooks\(\)"):
+        rigl.step()
+    assert rigl.num_steps == 0
+    s = SET(m, opt, update_every=1)
+    s.remove_hooks()                                    # SET has none: it steps on
+    assert s.step() is not None
 
 
 def test_public_names():
