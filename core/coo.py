@@ -33,10 +33,14 @@ def _seed_from_torch() -> int:
 def _check_shape(shape) -> Tuple[int, int]:
     if isinstance(shape, torch.Size):
         shape = tuple(shape)
+    elif isinstance(shape, (np.ndarray, torch.Tensor)) and shape.ndim == 1:
+        shape = tuple(shape.tolist())
     if not isinstance(shape, (tuple, list)) or len(shape) != 2:
         raise ValueError(f"shape must be a pair (rows, cols), got {shape!r}")
     out = []
     for name, s in zip(("rows", "cols"), shape):
+        if isinstance(s, (torch.Tensor, np.ndarray)) and s.ndim == 0:
+            s = s.item()                           # a 0-d tensor or array (a float one is refused below)
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
             raise TypeError(f"shape[{name}] must be an int, got {type(s).__name__}")
         s = int(s)
@@ -435,13 +439,18 @@ class COO:
 
     @classmethod
     def from_scipy(cls, mat, *, dtype: torch.dtype = torch.float32, device=None) -> "COO":
-        """From any scipy.sparse matrix/array. Duplicated entries raise ValueError."""
+        """From any scipy.sparse matrix/array of real numbers, its values cast to `dtype` (float32
+        by default: give dtype=torch.float64 to keep float64 data exact). Duplicated entries
+        raise ValueError; complex data raises TypeError."""
         import scipy.sparse as sp
         if not sp.issparse(mat):
             raise TypeError(f"mat must be a scipy.sparse matrix or array, got {type(mat).__name__}")
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype must be a floating dtype (float16/bfloat16/float32/float64), got {dtype!r}")
         m = mat.tocoo()
+        if not (np.issubdtype(m.dtype, np.floating) or np.issubdtype(m.dtype, np.integer) or m.dtype == np.bool_):
+            raise TypeError(f"mat must hold real numbers, got {m.dtype} (a complex matrix would lose its "
+                            "imaginary part)")
         idx = torch.from_numpy(np.stack([m.row, m.col]).astype(np.int64))
         vals = torch.from_numpy(np.asarray(m.data)).to(dtype)
         coo = cls(idx, vals, m.shape)

@@ -465,6 +465,14 @@ def test_coo_owns_its_indices_and_checks_dtypes():
         c.to("float64")                          # a dtype's name is not a device
     with pytest.raises(ValueError, match="but torch sees"):
         c.to(f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    # a shape given as an array, a 1-D tensor or 0-d tensors; floats refused; complex scipy data refused
+    for shape in (np.array([3, 4]), torch.tensor([3, 4]), (torch.tensor(3), np.int64(4)), (np.array(3), 4)):
+        assert COO(c.indices, c.values, shape).shape == (3, 4)
+    for shape in ((3.0, 4), (torch.tensor(3.0), 4)):
+        with pytest.raises(TypeError, match=r"shape\[rows\] must be an int, got float"):
+            COO(c.indices, c.values, shape)
+    with pytest.raises(TypeError, match="mat must hold real numbers, got complex128"):
+        COO.from_scipy(sp.coo_matrix(np.array([[1 + 2j, 0], [0, 3]])))
     with pytest.raises(ValueError, match="seed or generator, not both"):
         COO.random((3, 3), density=0.5, seed=1, generator=torch.Generator())
     assert COO.random((5, 6), density=np.float32(0.5), seed=1).nnz == 15
