@@ -211,6 +211,10 @@ class DynamicSparseTraining:
         optimizer: the torch.optim optimizer that holds each layer's `values` parameter; its
             (nnz,) state tensors (Adam's exp_avg / exp_avg_sq, momentum buffers, ...) are
             permuted with the connections on every update; scalar state (step) is left alone.
+            A regrown connection's state starts at 0: the fresh state of Adam, AdamW, SGD's
+            momentum, RMSprop, Adagrad (with its default initial_accumulator_value) and
+            Adadelta; not of Rprop, whose per-weight step sizes start at lr (a regrown one
+            restarts at step_sizes' minimum).
         drop_fraction: fraction of each layer's connections replaced at an update, in [0, 1)
             (at t = 0 for the cosine decay).
         update_every: update every this many calls of `step()` (>= 1).
