@@ -8,6 +8,7 @@
 #   make install                                  # .venv: torch 2.13.0 first (CPU wheel: PIP_EXTRA_INDEX_URL, see README), then snack + extras, MNIST
 #   make install TORCH= EXTRAS=experiments,test,gpu   # GPU machine: keep the CUDA torch you installed
 #   make test | test-gpu | demo | demo-ddp | bench | figures | figure-kernels | figure-layer | figure-gpt2 | figure-mnist
+#   make demo-quick | bench-cpu | clean-cache     # the demo on 3000 images | the CPU backend vs torch.mm | rm -rf data_cache
 #   make figure-layer-snack-adam | figure-gpt2-b1 | bench-kernels-gpt2 | bench-gpt2-rest   (the other CSVs REPRODUCTION.md cites)
 #   make bench-bf16                               # half precision: kernels in bfloat16, the layer under autocast
 #   make bench-cold                               # the kernels' forward and the layer with a cold L2 beside a warm one

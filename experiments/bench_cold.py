@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.bench_kernels import copy_bandwidth, forward_floor_bytes, require_gpu, rel_err, run_metadata  # noqa: E402
-from experiments.cli import add_grid, grid  # noqa: E402
+from experiments.cli import add_grid, grid, out_arg  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 FLUSH_BYTES = 256 * 2 ** 20  # > 5x the H200's L2
@@ -52,13 +52,15 @@ def parse_args(argv=None):
     add_grid(ap)
     ap.add_argument("--copies", type=int, default=20, help="copies of the op per captured graph")
     ap.add_argument("--replays", type=int, default=10, help="replays of each graph")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "results" / "bench_cold.csv"))
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random patterns and inputs")
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench_cold.csv"),
+                    help="CSV path (default results/bench_cold.csv)")
     args = ap.parse_args(argv)
     args.n_out, args.n_in, args.sparsity_list, args.batch_list = grid(ap, args)
     for key in ("copies", "replays"):
         if getattr(args, key) < 1:
             ap.error(f"--{key} must be >= 1, got {getattr(args, key)}")
+    out_arg(ap, "out", args.out)
     return args
 
 

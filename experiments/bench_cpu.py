@@ -39,23 +39,24 @@ from snack.core import cpu
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
-from experiments.cli import comma_list  # noqa: E402
+from experiments.cli import comma_list, out_arg  # noqa: E402
 from experiments.results_io import git_commit, write_csv  # noqa: E402
 
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--in_features", type=int, default=4096)
-    p.add_argument("--out_features", type=int, default=4096)
-    p.add_argument("--sparsity", type=float, default=0.9)
-    p.add_argument("--batches", type=str, default="1,32,128")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--in_features", type=int, default=4096, help="the layer's inputs (default 4096)")
+    p.add_argument("--out_features", type=int, default=4096, help="the layer's outputs (default 4096)")
+    p.add_argument("--sparsity", type=float, default=0.9, help="in [0, 1) (default 0.9)")
+    p.add_argument("--batches", type=str, default="1,32,128", help="comma list of batch sizes (default 1,32,128)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, the methods taking turns (default 5)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per round")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=str, default=str(ROOT / "results" / "bench_cpu.csv"))
+    p.add_argument("--seed", type=int, default=0, help="seed of the random pattern and inputs")
+    p.add_argument("--out", type=str, default=str(ROOT / "results" / "bench_cpu.csv"),
+                   help="CSV path (default results/bench_cpu.csv)")
     a = p.parse_args(argv)
     a.batch_list = comma_list(p, "batches", a.batches, int, lambda b: b >= 1, "batch sizes >= 1")
     if not 0.0 <= a.sparsity < 1.0:
@@ -66,6 +67,7 @@ def parse_args(argv=None):
     for name in ("warmup", "threads"):
         if getattr(a, name) < 0:
             p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
+    out_arg(p, "out", a.out)
     return a
 
 

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 
-from experiments.cli import add_grid, grid  # noqa: E402
+from experiments.cli import add_grid, grid, out_arg  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -43,12 +43,13 @@ OPS = ("fwd", "dx", "sddmm", "bwd")
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_grid(ap)
-    ap.add_argument("--dtype", default="float32", choices=DTYPES)
+    ap.add_argument("--dtype", default="float32", choices=DTYPES, help="the ops' dtype (default float32)")
     ap.add_argument("--full-runs", type=int, default=2, help="processes run with the full cache")
     ap.add_argument("--cache-dir", default=None, help="the cache directory to fill (default: a temporary one); "
                                                       "it must not exist yet or be empty")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "results" / "bench_first_use.csv"))
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random patterns and inputs")
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench_first_use.csv"),
+                    help="CSV path (default results/bench_first_use.csv)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measured process
     args = ap.parse_args(argv)
     args.n_out, args.n_in, args.sparsity_list, args.batch_list = grid(ap, args)
@@ -57,6 +58,8 @@ def parse_args(argv=None):
     if args.cache_dir is not None and Path(args.cache_dir).exists() and any(Path(args.cache_dir).iterdir()):
         ap.error(f"--cache-dir must be a new or empty directory (the first run needs an empty cache), "
                  f"got {args.cache_dir!r}")
+    if not args.child:  # (a measured process writes no file)
+        out_arg(ap, "out", args.out)
     return args
 
 

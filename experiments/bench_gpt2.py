@@ -3,7 +3,7 @@
     python experiments/bench_gpt2.py                          # GPU: GPT-2 small (124 M), 90 / 95 / 99 %
     python experiments/bench_gpt2.py --sparsities=0.99 --infer_batch=1
     python experiments/bench_gpt2.py --sparsities=0.99 --rest  # also the model without the 48 layers' work
-    python experiments/bench_gpt2.py --device=cpu --tiny      # smoke test, seconds
+    python experiments/bench_gpt2.py --device=cpu --tiny      # smoke test, seconds (its own CSV)
 
 The model is transformers' GPT2LMHeadModel built from a GPT2Config (random weights: no download;
 the values of the weights change neither time nor memory), dropout off, fp32, TF32 off as torch's
@@ -55,7 +55,7 @@ if str(ROOT) not in sys.path:
 
 import snack  # noqa: E402
 from experiments.bench_layer import _sync, capture, environment, eager_us, graph_us  # noqa: E402
-from experiments.cli import comma_list, fill_unset  # noqa: E402
+from experiments.cli import comma_list, fill_unset, out_arg  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 METHODS = ("snack", "dense", "densemask")
@@ -67,24 +67,33 @@ DEFAULTS = dict(n_layer=12, n_embd=768, n_head=12, vocab=50257, batch=8, seq=256
                 warmup_ms=25, rep_ms=200)
 TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab=512, batch=2, seq=16, infer_batch=1, infer_seq=16,
             warmup_ms=5, rep_ms=20)
-HELP = dict(batch="training batch (sequences)", seq="training sequence length")
+HELP = dict(n_layer="transformer blocks", n_embd="width", n_head="attention heads", vocab="vocabulary size",
+            batch="training batch (sequences)", seq="training sequence length",
+            infer_batch="inference batch (sequences)", infer_seq="inference sequence length",
+            warmup_ms="warm-up of each timing, ms", rep_ms="length of each timing, ms")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--sparsities", default="0.9,0.95,0.99")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="where the model runs (default cuda; cpu: wall-clock times, no graph / memory)")
+    p.add_argument("--sparsities", default="0.9,0.95,0.99",
+                   help="comma list in [0, 1): the blocks' layers' sparsities (default 0.9,0.95,0.99)")
     for key, default in DEFAULTS.items():
         p.add_argument(f"--{key}", type=int, default=argparse.SUPPRESS,
-                       help=f"{HELP.get(key, '')} (default {default}; --tiny: {TINY[key]})".lstrip())
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "snack-adamw"])
-    p.add_argument("--seed", type=int, default=0)
+                       help=f"{HELP[key]} (default {default}; --tiny: {TINY[key]})")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "snack-adamw"],
+                   help="the training step's optimizer, the same for every method: torch.optim.AdamW "
+                        "(default) or snack.optim.AdamW")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's weights and the tokens")
     p.add_argument("--tiny", action="store_true",
                    help="2 layers of width 64, short sequences: a smoke test (explicit sizes still win)")
     p.add_argument("--rest", action="store_true",
                    help="also time the inference of the model whose converted layers do no work "
                         "(method `rest`): the dense rest's share of the latency")
-    p.add_argument("--out", default=None, help="CSV path (default results/bench_gpt2[_cpu].csv)")
+    p.add_argument("--out", default=None,
+                   help="CSV path (default results/bench_gpt2[_cpu][_tiny].csv: a --tiny run keeps the full-size "
+                        "run's CSV)")
     args = p.parse_args(argv)
     fill_unset(args, TINY if args.tiny else DEFAULTS)
     args.sparsity_list = comma_list(p, "sparsities", args.sparsities, float, lambda s: 0.0 <= s < 1.0,
@@ -92,10 +101,15 @@ def parse_args(argv=None):
     for k in ("n_layer", "n_embd", "n_head", "vocab", "batch", "seq", "infer_batch", "infer_seq"):
         if getattr(args, k) < 1:
             p.error(f"--{k} must be >= 1, got {getattr(args, k)}")
+    for k in ("warmup_ms", "rep_ms"):
+        if not getattr(args, k) > 0:
+            p.error(f"--{k} must be > 0, got {getattr(args, k)}")
     if args.n_embd % args.n_head:
         p.error(f"--n_embd ({args.n_embd}) must be a multiple of --n_head ({args.n_head})")
     if args.out is None:
-        args.out = str(ROOT / "results" / ("bench_gpt2.csv" if args.device == "cuda" else "bench_gpt2_cpu.csv"))
+        args.out = str(ROOT / "results" / ("bench_gpt2" + ("" if args.device == "cuda" else "_cpu")
+                                           + ("_tiny" if args.tiny else "") + ".csv"))
+    out_arg(p, "out", args.out)
     return args
 
 

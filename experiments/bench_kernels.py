@@ -35,7 +35,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
-from experiments.cli import comma_list, fill_unset  # noqa: E402
+from experiments.cli import comma_list, fill_unset, out_arg, shape_arg  # noqa: E402
 from experiments.results_io import git_commit, write_csv  # noqa: E402
 
 DEFAULT_SHAPES = ["4096x4096", "2304x768", "768x768", "3072x768", "768x3072"]
@@ -94,13 +94,6 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a - ref).norm().item() / (den if den > 0 else 1.0)
 
 
-def _shape(v: str):
-    n_out, n_in = (int(d) for d in v.lower().split("x"))
-    if n_out < 1 or n_in < 1:
-        raise ValueError(v)
-    return f"{n_out}x{n_in}"
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=argparse.SUPPRESS,
@@ -109,23 +102,26 @@ def parse_args(argv=None):
                     help=f"comma list (default {DEFAULTS['sparsity']}; --quick: {QUICK['sparsity']})")
     ap.add_argument("--batch", default=argparse.SUPPRESS,
                     help=f"comma list (default {DEFAULTS['batch']}; --quick: {QUICK['batch']})")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="the dtype every method runs in (default float32)")
     ap.add_argument("--quick", action="store_true",
                     help="the target points: --shapes, --sparsity, --batch not given take --quick's values")
-    ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager timings (eager_us left NaN)")
     ap.add_argument("--out", default=None,
                     help="CSV path (default results/bench_kernels.csv, with --quick results/bench_kernels_quick.csv; "
                          "_<dtype> before .csv for float16 / bfloat16)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random patterns and inputs")
     args = ap.parse_args(argv)
     fill_unset(args, QUICK if args.quick else DEFAULTS)
-    args.shape_list = comma_list(ap, "shapes", args.shapes, _shape)
+    args.shape_list = ["{}x{}".format(*shape_arg(ap, "shapes", v))
+                       for v in comma_list(ap, "shapes", args.shapes, str.strip)]
     args.sparsity_list = comma_list(ap, "sparsity", args.sparsity, float, lambda s: 0.0 <= s < 1.0,
                                     "numbers in [0, 1)")
     args.batch_list = comma_list(ap, "batch", args.batch, int, lambda b: b >= 1, "batch sizes >= 1")
     if args.out is None:
         args.out = str(ROOT / "results" / ("bench_kernels" + ("_quick" if args.quick else "") +
                                            ("" if args.dtype == "float32" else f"_{args.dtype}") + ".csv"))
+    out_arg(ap, "out", args.out)
     return args
 
 

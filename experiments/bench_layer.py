@@ -2,7 +2,7 @@
 
     python experiments/bench_layer.py                               # GPU: 4096 x 4096, 90%, B 1..128
     python experiments/bench_layer.py --sparsity=0.95 --batches=1,32
-    python experiments/bench_layer.py --device=cpu --quick          # smoke test, seconds
+    python experiments/bench_layer.py --device=cpu --quick          # smoke test, seconds (its own CSV)
     python experiments/bench_layer.py --autocast=bfloat16           # mixed precision, as users train
 
 For each batch size B, on one layer (in = out = 4096, fp32, TF32 off as torch's default), the
@@ -77,7 +77,7 @@ if str(ROOT) not in sys.path:
 
 import snack  # noqa: E402
 from snack.layers import backend as snack_backend  # noqa: E402
-from experiments.cli import comma_list, fill_unset  # noqa: E402
+from experiments.cli import comma_list, fill_unset, out_arg  # noqa: E402
 from experiments.cuda_workspaces import make_cublas_workspaces  # noqa: E402
 from experiments.results_io import git_commit, write_csv, write_text  # noqa: E402
 
@@ -93,9 +93,12 @@ QUICK = dict(in_features=512, out_features=384, batches="1,8", warmup_ms=5, rep_
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--sparsity", type=float, default=0.9)
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="where the layer runs (default cuda; cpu: wall-clock times, no graph / memory / energy)")
+    p.add_argument("--sparsity", type=float, default=0.9, help="the layer's sparsity, in [0, 1) (default 0.9)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma list of the methods to time (default {','.join(METHODS)}; "
+                        "cusparse times inference only, and not on the CPU)")
     for key, default in DEFAULTS.items():
         p.add_argument(f"--{key}", type=type(default), default=argparse.SUPPRESS,
                        help=f"(default {default}; --quick: {QUICK[key]})")
@@ -113,13 +116,14 @@ def parse_args(argv=None):
                    help="also time every captured step with a cold L2 (GPU only): a graph of copies of "
                         "the step, each after a 256 MB read, minus a graph of the reads alone "
                         "(experiments/bench_cold.py's replay timing); column graph_cold_us")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the layer's pattern and the inputs")
     p.add_argument("--quick", action="store_true",
                    help="small layer, few repeats: a smoke test (explicit sizes still win)")
     p.add_argument("--out", default=None,
                    help="CSV path (default results/bench_layer[_cpu][_adam_fused|_snack_adam]"
-                        "[_autocast_<dtype>][_backward_caller].csv: a run with another optimizer, "
-                        "autocast or backward thread keeps the default run's CSV)")
+                        "[_autocast_<dtype>][_backward_caller][_quick].csv: a run with another optimizer, "
+                        "autocast, backward thread or --quick keeps the default run's CSV); the run's "
+                        "configuration is written beside it as a .json of the same name")
     args = p.parse_args(argv)
     fill_unset(args, QUICK if args.quick else DEFAULTS)
     if args.cold_l2 and args.device != "cuda":
@@ -133,13 +137,27 @@ def parse_args(argv=None):
         if not getattr(args, key) > 0:
             p.error(f"--{key} must be > 0, got {getattr(args, key)}")
     args.batch_list = comma_list(p, "batches", args.batches, int, lambda b: b >= 1, "batch sizes >= 1")
+    args.method_list = comma_list(p, "methods", args.methods, str.strip, lambda m: m in METHODS,
+                                  f"among {', '.join(METHODS)}")
     if args.out is None:
         name = "bench_layer" + ("" if args.device == "cuda" else "_cpu") + \
             ("" if args.optimizer == "adam" else "_" + args.optimizer.replace("-", "_")) + \
             ("" if args.autocast == "off" else f"_autocast_{args.autocast}") + \
-            ("" if args.backward_thread == "device" else "_backward_caller") + ".csv"
+            ("" if args.backward_thread == "device" else "_backward_caller") + \
+            ("_quick" if args.quick else "") + ".csv"
         args.out = str(ROOT / "results" / name)
+    if Path(args.out).suffix.lower() == ".json":
+        p.error(f"--out {args.out}: the run's configuration is written beside the CSV as "
+                f"{Path(args.out).with_suffix('.json').name}, the same file; give --out a .csv path")
+    out_arg(p, "out", args.out)
+    if config_path(args.out).exists() and not config_path(args.out).is_file():
+        p.error(f"--out {args.out}: the run's configuration goes to {config_path(args.out)}, which is not a file")
     return args
+
+
+def config_path(out) -> Path:
+    """Where the run's configuration (JSON) is written beside its CSV `out`."""
+    return Path(out).with_suffix(".json")
 
 
 # ---- the three layers ---------------------------------------------------------------------------
@@ -509,10 +527,7 @@ def main(argv=None) -> List[dict]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no CUDA GPU is visible; use --device cpu --quick for a smoke test")
-    methods = [m for m in args.methods.split(",") if m]
-    for m in methods:
-        if m not in METHODS:
-            raise SystemExit(f"--methods: unknown method {m!r}; choose from {METHODS}")
+    methods = args.method_list
     if device.type == "cpu":
         methods = [m for m in methods if m != "cusparse"] or methods
     batches = args.batch_list
@@ -543,7 +558,7 @@ def main(argv=None) -> List[dict]:
     print_table(rows, env, args)
     out = write_csv(args.out, [{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()}
                                for r in rows])
-    write_text(out.with_suffix(".json"), json.dumps(vars(args), indent=1) + "\n")
+    write_text(config_path(out), json.dumps(vars(args), indent=1) + "\n")
     print(f"wrote {out}")
     return rows
 

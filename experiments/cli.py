@@ -7,10 +7,13 @@ explicit value always wins over the preset.
 usage error. `shape_arg(parser, name, text)`: an "OUTxIN" option as two positive ints, or a
 usage error. `add_grid(ap)` / `grid(ap, args)`: the --shape / --sparsity / --batch options of the
 scripts that time a grid of points, and their values.
+`out_arg(parser, name, path)`: a usage error unless a result file can be written at `path`
+(checked before a run, not after it). `figure_arg(parser, name, path)`: the same for a figure,
+whose extension must be a format matplotlib writes (none: .png); returns the path written.
 `csv_to_plot(path, default, writer)`: whether a plot script has its CSV, or one line saying why
 not.
-`read_rows(path, required, writer)`: a plot script's CSV rows, or one line saying why they
-cannot be drawn (not a CSV text, a CSV of another script, no rows).
+`read_rows(path, required, writer)`: a script's input CSV rows, or one line saying why they
+cannot be read (missing, not a CSV text, a CSV of another script, no rows).
 `bool_arg(text)`: an argparse type for a boolean option (true/false, yes/no, on/off, 1/0; anything
 else is a usage error).
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
+import tempfile
 from pathlib import Path
 
 
@@ -57,9 +62,9 @@ def shape_arg(parser: argparse.ArgumentParser, name: str, text: str):
 
 def add_grid(ap: argparse.ArgumentParser, batch: str = "1,8,32,128") -> None:
     """The --shape, --sparsity and --batch options of a script that times a grid of points."""
-    ap.add_argument("--shape", default="4096x4096", help="OUTxIN")
-    ap.add_argument("--sparsity", default="0.9,0.95,0.99")
-    ap.add_argument("--batch", default=batch)
+    ap.add_argument("--shape", default="4096x4096", help="the layer's OUTxIN (default 4096x4096)")
+    ap.add_argument("--sparsity", default="0.9,0.95,0.99", help="comma list in [0, 1) (default 0.9,0.95,0.99)")
+    ap.add_argument("--batch", default=batch, help=f"comma list of batch sizes (default {batch})")
 
 
 def grid(ap: argparse.ArgumentParser, args: argparse.Namespace):
@@ -86,6 +91,43 @@ def auto_int(text: str):
     return None if text.strip() == "auto" else int(text)
 
 
+def out_arg(parser: argparse.ArgumentParser, name: str, path) -> None:
+    """A usage error naming --name unless a file can be written at `path`: it is a regular file or
+    not there yet, and the nearest existing folder on its way (the writers make the missing
+    ones) is a folder in which a file can be made (tried: a temporary file, removed)."""
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        parser.error(f"--{name} {path} is {'a directory' if p.is_dir() else 'not a regular file'}: "
+                     "give the path of a file")
+    d = p.parent
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    if not d.is_dir():
+        parser.error(f"--{name} {path}: {d} is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".snack-write-check-"):
+            pass
+    except OSError as e:
+        parser.error(f"--{name} {path}: cannot write a file in {d} ({e.strerror or e})")
+
+
+def figure_arg(parser: argparse.ArgumentParser, name: str, path: str) -> str:
+    """The path a figure is written to: `path`, with .png added when it has no extension (as
+    matplotlib's savefig does); a usage error naming --name when the extension is not a format
+    matplotlib writes or the file cannot be written there (out_arg)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    if Path(path).is_dir():
+        parser.error(f"--{name} {path} is a directory: give the path of a file")
+    ext = os.path.splitext(path)[1]
+    if not ext:
+        path = f"{path}.png"
+    elif ext[1:].lower() not in FigureCanvasBase.get_supported_filetypes():
+        parser.error(f"--{name} {path}: {ext!r} is not a figure format matplotlib writes (one of "
+                     f"{', '.join(sorted(FigureCanvasBase.get_supported_filetypes()))})")
+    out_arg(parser, name, path)
+    return path
+
+
 def csv_to_plot(path, default, writer: str, hint: str = "") -> bool:
     """True when the CSV `path` exists. Without it: for the script's default CSV (not measured
     yet; `make figures` redraws what has been measured) prints that nothing is drawn and returns
@@ -100,16 +142,21 @@ def csv_to_plot(path, default, writer: str, hint: str = "") -> bool:
                      f"(python experiments/{writer} --out {path} writes one{hint})")
 
 
-def read_rows(path, required, writer: str) -> list:
+def read_rows(path, required, writer: str, option: str = "--csv") -> list:
     """The rows (dicts) of the CSV at `path`. Stops with one line naming `writer`, the script whose
-    CSV is expected, when the file is not CSV text, lacks a column of `required` (e.g. a CSV of
-    another script), or has no rows."""
-    hint = f"give --csv a CSV written by experiments/{writer}"
+    CSV is expected (and `option`, the option that takes it), when the file is missing or cannot
+    be read, is not CSV text, lacks a column of `required` (e.g. a CSV of another script), or has
+    no rows."""
+    hint = f"give {option} a CSV written by experiments/{writer}"
     try:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             rows = list(reader)
             names = reader.fieldnames or []
+    except FileNotFoundError:
+        raise SystemExit(f"{path} does not exist: {hint}") from None
+    except OSError as e:
+        raise SystemExit(f"{path} cannot be read ({e.strerror or e}): {hint}") from None
     except (UnicodeDecodeError, csv.Error) as e:
         raise SystemExit(f"{path} is not a readable CSV text file ({type(e).__name__}: {e}): {hint}") from None
     missing = [c for c in required if c not in names]

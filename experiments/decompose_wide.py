@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.bench_kernels import require_gpu, run_metadata  # noqa: E402
-from experiments.cli import add_grid, grid  # noqa: E402
+from experiments.cli import add_grid, grid, out_arg  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 # (name, probe bits): see snack.gpu.kernels.make_spmm_wide_kernel(probe=)
@@ -37,10 +37,12 @@ SETTINGS = [("full", 0), ("no staging", 1), ("no rows", 2), ("no flush", 4), ("n
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_grid(ap, batch="32")
-    ap.add_argument("--csv", default=None)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--csv", default=None, help="also write the timings to this CSV")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random patterns and inputs")
     args = ap.parse_args(argv)
     n_out, n_in, sparsities, batches = grid(ap, args)  # options checked before the GPU check
+    if args.csv:
+        out_arg(ap, "csv", args.csv)
     require_gpu("decompose_wide.py")
     from triton.testing import do_bench_cudagraph
 

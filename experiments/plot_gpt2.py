@@ -1,4 +1,4 @@
-"""Figure of the GPT-2 benchmark, drawn from results/bench_gpt2.csv only.
+"""Figure of the GPT-2 benchmark, drawn only from a CSV of experiments/bench_gpt2.py (--csv).
 
     python experiments/plot_gpt2.py                           # -> papers/fig_gpt2.png
     python experiments/plot_gpt2.py --csv=results/bench_gpt2_cpu.csv --out=/tmp/fig.png
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments.cli import csv_to_plot, read_rows  # noqa: E402
+from experiments.cli import csv_to_plot, figure_arg, read_rows  # noqa: E402
 from experiments.plot_layer import _num  # noqa: E402
 
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask"}
@@ -30,9 +30,12 @@ DEFAULT_CSV = str(ROOT / "results" / "bench_gpt2.csv")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--csv", default=DEFAULT_CSV)
-    p.add_argument("--out", default=str(ROOT / "papers" / "fig_gpt2.png"))
-    return p.parse_args(argv)
+    p.add_argument("--csv", default=DEFAULT_CSV, help="a CSV of bench_gpt2.py (default results/bench_gpt2.csv)")
+    p.add_argument("--out", default=str(ROOT / "papers" / "fig_gpt2.png"),
+                   help="the figure (default papers/fig_gpt2.png); its extension picks the format, none gives .png")
+    args = p.parse_args(argv)
+    args.out = figure_arg(p, "out", args.out)
+    return args
 
 
 def load(path):

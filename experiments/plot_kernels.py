@@ -1,5 +1,5 @@
-"""Figures from results/bench_kernels.csv (written by experiments/bench_kernels.py); draws nothing
-it has not read from the CSV.
+"""Figures from a CSV of experiments/bench_kernels.py (--csv, default results/bench_kernels.csv);
+draws nothing it has not read from the CSV.
 
   papers/fig_kernels.png: for the 4096 x 4096 layer, GPU time (CUDA-graph replay, median) of
   the forward for SNACK, dense cuBLAS, Dense+Mask and cuSPARSE against the batch size, one panel
@@ -26,9 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 
-from experiments.cli import csv_to_plot, read_rows  # noqa: E402
+from experiments.cli import csv_to_plot, figure_arg, read_rows  # noqa: E402
 
 DEFAULT_CSV = str(ROOT / "results" / "bench_kernels.csv")
+COLD_CSV = str(ROOT / "results" / "bench_cold.csv")
+DEFAULT_OUT = str(ROOT / "papers" / "fig_kernels.png")
+COLD_OUT = str(ROOT / "papers" / "fig_kernels_cold.png")
 COLUMNS = ("shape", "op", "method", "sparsity", "batch", "graph_us", "roofline_frac")
 _ESIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -48,6 +51,17 @@ def _time_axes(ax, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def _timed(r) -> bool:
+    return r["graph_us"] not in ("", "nan", None)
+
+
+def _no_rows(rows, shape: str, source: str) -> SystemExit:
+    """One line: `source` has no rows for `shape`; the shapes of `rows`, to pass to --shape."""
+    have = sorted({r["shape"] for r in rows})
+    return SystemExit(f"no rows for shape {shape} in {source}"
+                      + (f" (its shapes: {', '.join(have)}; --shape picks one)" if have else ""))
+
+
 def _num(x: float) -> str:
     """A time as the README writes it: 3 significant digits, at most one decimal."""
     return f"{x:.1f}" if x < 100 else f"{x:.0f}"
@@ -58,14 +72,14 @@ def markdown_tables(rows, shape: str, source: str) -> str:
     t = defaultdict(dict)  # (sparsity, batch) -> {(op, method): graph us}
     roof = {}
     for r in rows:
-        if r["shape"] != shape or r["graph_us"] in ("", "nan", None):
+        if r["shape"] != shape or not _timed(r):
             continue
         k = (float(r["sparsity"]), int(r["batch"]))
         t[k][(r["op"], r["method"])] = float(r["graph_us"])
         if r["op"] == "forward" and r["method"] == "snack" and r["roofline_frac"]:
             roof[k] = float(r["roofline_frac"])
     if not t:
-        raise SystemExit(f"no rows for shape {shape} in {source}")
+        raise _no_rows([r for r in rows if _timed(r)], shape, source)
 
     def g(k, op, m="snack"):
         return t[k].get((op, m), float("nan"))
@@ -107,7 +121,7 @@ def cold_table(rows, shape: str, source: str) -> str:
         if r["shape"] == shape:
             t[(float(r["sparsity"]), int(r["batch"]))][r["method"]] = r
     if not t:
-        raise SystemExit(f"no rows for shape {shape} in {source}")
+        raise _no_rows(rows, shape, source)
     batches = sorted({b for _, b in t})
     out = ["| sparsity | " + " | ".join(f"B = {b}" for b in batches) + " |", "| --- |" + " --- |" * len(batches)]
     for sp in sorted({s for s, _ in t}):
@@ -139,7 +153,7 @@ def draw_cold(rows, shape: str, source: str, out: str) -> str:
             for state in ("warm", "cold"):
                 data[(float(r["sparsity"]), r["method"], state)][int(r["batch"])] = float(r[f"{state}_us"])
     if not data:
-        raise SystemExit(f"no rows for shape {shape} in {source}")
+        raise _no_rows(rows, shape, source)
     sps = sorted({k[0] for k in data})
     fig, axes = plt.subplots(1, len(sps) + 2, figsize=(4.0 * (len(sps) + 2), 3.8))
     for ax, sp in zip(axes, sps):
@@ -175,26 +189,39 @@ def draw_cold(rows, shape: str, source: str, out: str) -> str:
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--csv", default=DEFAULT_CSV)
-    ap.add_argument("--out", default=str(ROOT / "papers" / "fig_kernels.png"))
-    ap.add_argument("--shape", default="4096x4096")
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--csv", default=None,
+                    help="the CSV to read: one of bench_kernels.py (default results/bench_kernels.csv), or with "
+                         "--cold one of bench_cold.py (default results/bench_cold.csv)")
+    ap.add_argument("--out", default=None,
+                    help="the figure (default papers/fig_kernels.png, --cold: papers/fig_kernels_cold.png); "
+                         "its extension picks the format, none gives .png")
+    ap.add_argument("--shape", default="4096x4096", help="the CSV's shape to draw, OUTxIN (default 4096x4096)")
     ap.add_argument("--markdown", action="store_true", help="print the README tables instead of drawing")
     ap.add_argument("--cold", action="store_true",
                     help="bench_cold.py's CSV instead: its figure (papers/fig_kernels_cold.png), or with "
                          "--markdown the README's cold-L2 table")
     args = ap.parse_args(argv)
+    if args.csv is None:
+        args.csv = COLD_CSV if args.cold else DEFAULT_CSV
+    if args.out is None:
+        args.out = COLD_OUT if args.cold else DEFAULT_OUT
+    if not args.markdown:  # (a table is printed, nothing written)
+        args.out = figure_arg(ap, "out", args.out)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.cold:
-        if args.csv == DEFAULT_CSV:
-            args.csv = str(ROOT / "results" / "bench_cold.csv")
+        if not csv_to_plot(args.csv, COLD_CSV, "bench_cold.py", " on a GPU"):
+            return None
         rows = read_rows(args.csv, COLD_COLUMNS, "bench_cold.py")
         if args.markdown:
             text = cold_table(rows, args.shape, args.csv)
             print(text)
             return text
-        if args.out == str(ROOT / "papers" / "fig_kernels.png"):
-            args.out = str(ROOT / "papers" / "fig_kernels_cold.png")
         return draw_cold(rows, args.shape, args.csv, args.out)
     if not csv_to_plot(args.csv, DEFAULT_CSV, "bench_kernels.py", " on a GPU"):
         return None
@@ -206,10 +233,11 @@ def main(argv=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in read_rows(args.csv, COLUMNS, "bench_kernels.py") if r["shape"] == args.shape
-            and r["op"] in ("forward", "dX", "SDDMM") and r["graph_us"] not in ("", "nan", None)]
+    every = read_rows(args.csv, COLUMNS, "bench_kernels.py")
+    drawn = [r for r in every if r["op"] in ("forward", "dX", "SDDMM") and _timed(r)]
+    rows = [r for r in drawn if r["shape"] == args.shape]
     if not rows:
-        raise SystemExit(f"no rows for shape {args.shape} in {args.csv}")
+        raise _no_rows(drawn, args.shape, args.csv)
     sps = sorted({float(r["sparsity"]) for r in rows})
     data = defaultdict(dict)  # (sparsity, op, method) -> {B: us}
     roof = defaultdict(dict)

@@ -1,4 +1,4 @@
-"""Figures of the one-layer benchmark, drawn from results/bench_layer.csv only.
+"""Figures of the one-layer benchmark, drawn only from a CSV of experiments/bench_layer.py (--csv).
 
     python experiments/plot_layer.py                          # -> papers/fig_layer.png
     python experiments/plot_layer.py --csv=results/bench_layer_cpu.csv --out=/tmp/fig.png
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 
-from experiments.cli import csv_to_plot, read_rows  # noqa: E402
+from experiments.cli import csv_to_plot, figure_arg, read_rows  # noqa: E402
 
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask", "cusparse": "cuSPARSE CSR"}
 STYLE = {"snack": ("C3", "o"), "dense": ("C0", "s"), "densemask": ("C2", "^"), "cusparse": ("C1", "D")}
@@ -35,10 +35,14 @@ TIMING_FILL = {"graph": ("", 1.0, "graph"), "graph_cold": ("////", 1.0, "graph, 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--csv", default=DEFAULT_CSV)
-    p.add_argument("--out", default=str(ROOT / "papers" / "fig_layer.png"))
-    p.add_argument("--sparsity", type=float, default=None)
-    return p.parse_args(argv)
+    p.add_argument("--csv", default=DEFAULT_CSV, help="a CSV of bench_layer.py (default results/bench_layer.csv)")
+    p.add_argument("--out", default=str(ROOT / "papers" / "fig_layer.png"),
+                   help="the figure (default papers/fig_layer.png); its extension picks the format, none gives .png")
+    p.add_argument("--sparsity", type=float, default=None,
+                   help="the CSV's sparsity to draw (default: its first row's)")
+    args = p.parse_args(argv)
+    args.out = figure_arg(p, "out", args.out)
+    return args
 
 
 def _num(v):
@@ -192,7 +196,7 @@ def draw(rows, sparsity):
 
 
 def plot(rows, sparsity, out):
-    """Draws `rows` and saves the figure at `out` (PNG); returns the path."""
+    """Draws `rows` and saves the figure at `out` (its extension gives the format); returns the path."""
     import matplotlib.pyplot as plt
     fig = draw(rows, sparsity)
     out = Path(out)

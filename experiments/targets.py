@@ -11,12 +11,15 @@ bytes or energy over SNACK's), so a target is met when value >= target. The targ
 the warm tables (graph replay back to back, `bench_kernels.py --quick`, `bench_layer.py
 --optimizer snack-adam`), as the targets are stated; `--cold` reads the same ratios on
 `bench_cold.py` and `bench_layer.py --cold_l2`, which show what a model sees when other work
-evicts the L2 between calls. The notebook papers/figures.ipynb prints the same checks.
+evicts the L2 between calls. Only a CSV's rows at 4096 x 4096, the shape the targets are stated
+at, are read; a CSV that cannot give every target (another script's, no row at that shape, a
+target point missing) stops with one line saying why. The notebook papers/figures.ipynb prints
+the same checks.
 """
 from __future__ import annotations
 
 import argparse
-import csv
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,10 @@ KERNELS_COLD_CSV = ROOT / "results" / "bench_cold.csv"
 LAYER_COLD_CSV = ROOT / "results" / "bench_layer_snack_adam_cold_l2.csv"
 KERNELS_H100_CSV = ROOT / "results" / "bench_kernels_quick_h100.csv"
 LAYER_H100_CSV = ROOT / "results" / "bench_layer_snack_adam_h100.csv"
+if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
+    sys.path.insert(0, str(ROOT))
+
+from experiments.cli import read_rows  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -48,16 +55,66 @@ class Check:
         return f"{100 * v:.1f}%" if self.percent else f"{v:.2f}x"
 
 
-def _rows(path: Path):
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: measure it on a GPU first "
-                                f"(see the README's 'Reproduce the figures')")
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+# The layer every target is stated at (the kernels' `shape`, the layer's out_features x in_features):
+# a CSV's rows of other shapes are left out.
+SHAPE = (4096, 4096)
+WALL = "forward_1000_calls_wall"  # the op of bench_kernels' host-overhead rows
+# What each CSV must have (else one line naming the script that writes it): columns, writer, option.
+KERNELS_OF = (("gpu", "commit", "shape", "sparsity", "batch", "op", "method", "graph_us", "eager_us",
+               "roofline_frac"), "bench_kernels.py --quick", "--kernels-csv")
+LAYER_OF = (("device_name", "commit", "in_features", "out_features", "phase", "B", "method", "eager_us",
+                 "graph_us", "peak_mb", "energy_mj"), "bench_layer.py --optimizer snack-adam", "--layer-csv")
+KERNELS_COLD_OF = (("gpu", "commit", "shape", "sparsity", "batch", "method", "cold_us"), "bench_cold.py",
+                   "--kernels-csv (with --cold)")
+LAYER_COLD_OF = (("device_name", "commit", "in_features", "out_features", "phase", "B", "method",
+                      "graph_cold_us"), "bench_layer.py --optimizer snack-adam --cold_l2", "--layer-csv (with --cold)")
+
+
+def _rows(path: Path, of=KERNELS_OF) -> List[dict]:
+    """The rows of the CSV at `path` at the targets' shape; one line (SystemExit) when the file
+    cannot be read, is not the CSV `of` describes, or has no row at that shape (its shapes named)."""
+    columns, writer, option = of
+    rows = read_rows(path, columns, writer, option)
+    if "shape" in columns:
+        def shape(r):
+            return r["shape"]
+    else:
+        def shape(r):
+            return f"{r['out_features']}x{r['in_features']}"
+    want = "x".join(map(str, SHAPE))
+    timed = [r for r in rows if r.get("op") != WALL]  # (bench_kernels writes WALL at 4096 x 4096 whatever its grid)
+    if not any(shape(r) == want for r in timed):
+        raise SystemExit(f"{path} has no rows at {want}, the shape the targets are stated at (it has "
+                         f"{', '.join(sorted({shape(r) for r in timed}))}): give {option} a CSV written by "
+                         f"experiments/{writer}")
+    return [r for r in rows if shape(r) == want]
 
 
 def _source(path: Path, row: dict, gpu_key: str) -> str:
     return f"`{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}` at `{row['commit']}`, {row[gpu_key]}"
+
+
+class _Points:
+    """{key: {method: row}} of a CSV's rows; `get(key, method, field)` is the row's number, or one
+    line (SystemExit) saying which point, method or number the CSV lacks."""
+
+    def __init__(self, rows, key, path: Path, what):
+        self.t, self.path, self.what = defaultdict(dict), path, what
+        for r in rows:
+            self.t[key(r)][r["method"]] = r
+
+    def __contains__(self, key):
+        return key in self.t
+
+    def get(self, key, method: str, field: str) -> float:
+        row = self.t.get(key, {}).get(method)
+        if row is None:
+            raise SystemExit(f"{self.path} has no {method} row at {self.what(key)}, a point of the targets")
+        try:
+            return float(row[field])
+        except ValueError:
+            raise SystemExit(f"{self.path}: {field} of {method} at {self.what(key)} is not a number "
+                             f"({row[field]!r})") from None
 
 
 # The speed-up targets, read warm and cold: (sparsity, B, baseline method, its name, target) for
@@ -71,40 +128,40 @@ LAYER_SPEEDUPS = ([("train", 32, "densemask", "Dense+Mask", 10), ("train", 32, "
                      for base, what, need in (("densemask", "Dense+Mask", 6), ("dense", "dense", 3))])
 
 
-def _by_point(rows, key, field=None):
-    """{key(row): {method: row, or float(row[field])}}."""
-    out = defaultdict(dict)
-    for r in rows:
-        out[key(r)][r["method"]] = r if field is None else float(r[field])
-    return out
+def _forward_speedups(t: _Points, field: str, src, prefix="") -> List[Check]:
+    return [Check("kernels", f"{prefix}forward {sp:.0%}, B = {B}: x {what}",
+                  t.get((sp, B, "forward"), base, field) / t.get((sp, B, "forward"), "snack", field), need, src)
+            for sp, B, base, what, need in FORWARD_SPEEDUPS]
 
 
-def _forward_speedups(t, src, prefix="") -> List[Check]:
-    return [Check("kernels", f"{prefix}forward {sp:.0%}, B = {B}: x {what}", t[(sp, B)][base] / t[(sp, B)]["snack"],
-                  need, src) for sp, B, base, what, need in FORWARD_SPEEDUPS if (sp, B) in t]
-
-
-def _layer_speedups(t, src, prefix="") -> List[Check]:
+def _layer_speedups(t: _Points, field: str, src, prefix="") -> List[Check]:
     return [Check("layer", f"{prefix}{'training' if phase == 'train' else 'inference'} B = {B}, graph: x {what}",
-                  t[(phase, B)][base] / t[(phase, B)]["snack"], need, src)
+                  t.get((phase, B), base, field) / t.get((phase, B), "snack", field), need, src)
             for phase, B, base, what, need in LAYER_SPEEDUPS]
 
 
+def _kernel_points(rows, path: Path) -> _Points:
+    return _Points(rows, lambda r: (float(r["sparsity"]), int(r["batch"]), r.get("op", "forward")), path,
+                   lambda k: f"sparsity {k[0]}, B = {k[1]} ({k[2]})")
+
+
+def _layer_points(rows, path: Path) -> _Points:
+    return _Points(rows, lambda r: (r["phase"], int(r["B"])), path, lambda k: f"{k[0]}, B = {k[1]}")
+
+
 def kernel_checks(path: Path = KERNELS_CSV) -> List[Check]:
-    """The kernels' targets on the 12 target points (forward, dX, SDDMM, graph time) and the 1000-call
-    eager host-overhead test."""
-    rows = _rows(path)
+    """The kernels' targets at 4096 x 4096 on the 12 target points (forward, dX, SDDMM, graph
+    time) and the 1000-call eager host-overhead test."""
+    rows = _rows(path, KERNELS_OF)
     src = _source(path, rows[0], "gpu")
-    q = _by_point([r for r in rows if r["graph_us"]], lambda r: (float(r["sparsity"]), int(r["batch"]), r["op"]))
+    q = _kernel_points([r for r in rows if r["graph_us"]], path)
 
     def t(sp, B, op="forward"):
-        return float(q[(sp, B, op)]["snack"]["graph_us"])
+        return q.get((sp, B, op), "snack", "graph_us")
 
-    fwd = {(sp, B): {m: float(r["graph_us"]) for m, r in q[(sp, B, "forward")].items()}
-           for sp, B, op in q if op == "forward"}
-    out = _forward_speedups(fwd, src)
+    out = _forward_speedups(q, "graph_us", src)
     for B in (1, 8, 32):
-        roof = float(q[(0.9, B, "forward")]["snack"]["roofline_frac"])
+        roof = q.get((0.9, B, "forward"), "snack", "roofline_frac")
         out.append(Check("kernels", f"forward 90%, B = {B}: fraction of the HBM roofline", roof, 0.5, src,
                          percent=True))
     for op in ("dX", "SDDMM"):
@@ -112,23 +169,25 @@ def kernel_checks(path: Path = KERNELS_CSV) -> List[Check]:
                     for sp in (0.9, 0.95, 0.99) for B in (1, 8, 32, 128))
         out.append(Check("kernels", f"{op} within 2x of the forward, all 12 points (forward / {op}, "
                             f"worst: {worst[1]:.0%}, B = {worst[2]})", worst[0], 0.5, src))
-    wall = {r["method"]: float(r["eager_us"]) for r in rows if r["op"] == "forward_1000_calls_wall"}
-    if wall:
+    wall = _kernel_points([r for r in rows if r["op"] == WALL], path)
+    key = (0.9, 1, WALL)
+    if key in wall:
         out.append(Check("kernels", "eager 90%, B = 1: 1000 calls, wall time x F.linear",
-                         wall["dense"] / wall["snack"], 1.0, src))
+                         wall.get(key, "dense", "eager_us") / wall.get(key, "snack", "eager_us"), 1.0, src))
     return out
 
 
 def layer_checks(path: Path = LAYER_CSV) -> List[Check]:
-    """The layer's targets: its training step (forward + backward + Adam) and inference."""
-    rows = _rows(path)
+    """The layer's targets at 4096 x 4096: its training step (forward + backward + Adam) and
+    inference."""
+    rows = _rows(path, LAYER_OF)
     src = _source(path, rows[0], "device_name")
-    L = _by_point(rows, lambda r: (r["phase"], int(r["B"])))
+    L = _layer_points(rows, path)
 
     def x(phase, B, key):
-        return float(L[(phase, B)]["dense"][key]) / float(L[(phase, B)]["snack"][key])
+        return L.get((phase, B), "dense", key) / L.get((phase, B), "snack", key)
 
-    out = _layer_speedups(_by_point(rows, lambda r: (r["phase"], int(r["B"])), "graph_us"), src)
+    out = _layer_speedups(L, "graph_us", src)
     out.insert(2, Check("layer", "training B = 32, eager: x dense", x("train", 32, "eager_us"), 3, src))
     for B in (1, 8, 32):
         out.append(Check("layer", f"training B = {B}: peak memory, dense / SNACK (<= 20% of dense)",
@@ -141,16 +200,15 @@ def layer_checks(path: Path = LAYER_CSV) -> List[Check]:
 
 def kernel_cold_checks(path: Path = KERNELS_COLD_CSV) -> List[Check]:
     """The kernels' forward speed-up targets read on the cold-L2 timings (`bench_cold.py`)."""
-    rows = _rows(path)
-    t = _by_point(rows, lambda r: (float(r["sparsity"]), int(r["batch"])), "cold_us")
-    return _forward_speedups(t, _source(path, rows[0], "gpu"), "cold L2, ")
+    rows = _rows(path, KERNELS_COLD_OF)
+    return _forward_speedups(_kernel_points(rows, path), "cold_us", _source(path, rows[0], "gpu"), "cold L2, ")
 
 
 def layer_cold_checks(path: Path = LAYER_COLD_CSV) -> List[Check]:
     """The layer's speed-up targets read on the cold-L2 timings (`bench_layer.py --cold_l2`)."""
-    rows = _rows(path)
-    t = _by_point(rows, lambda r: (r["phase"], int(r["B"])), "graph_cold_us")
-    return _layer_speedups(t, _source(path, rows[0], "device_name"), "cold L2, ")
+    rows = _rows(path, LAYER_COLD_OF)
+    return _layer_speedups(_layer_points(rows, path), "graph_cold_us", _source(path, rows[0], "device_name"),
+                           "cold L2, ")
 
 
 def lines(checks: List[Check]) -> str:
@@ -187,8 +245,15 @@ def main(argv: Optional[List[str]] = None) -> List[Check]:
     ap.add_argument("--markdown", action="store_true", help="print the README's markdown table")
     ap.add_argument("--cold", action="store_true", help="read the targets on the cold-L2 CSVs")
     ap.add_argument("--h100", action="store_true", help="read the targets on the H100 CSVs")
-    ap.add_argument("--kernels-csv", type=Path, default=None)
-    ap.add_argument("--layer-csv", type=Path, default=None)
+    ap.add_argument("--kernels-csv", type=Path, default=None,
+                    help="the kernels' CSV, from bench_kernels.py --quick (default results/bench_kernels_quick.csv, "
+                         "--h100: results/bench_kernels_quick_h100.csv); with --cold one from bench_cold.py "
+                         "(default results/bench_cold.csv). Its 4096x4096 rows are read")
+    ap.add_argument("--layer-csv", type=Path, default=None,
+                    help="the layer's CSV, from bench_layer.py --optimizer snack-adam (default "
+                         "results/bench_layer_snack_adam.csv, --h100: results/bench_layer_snack_adam_h100.csv); "
+                         "with --cold one from bench_layer.py --cold_l2 (default "
+                         "results/bench_layer_snack_adam_cold_l2.csv). Its 4096 x 4096 rows are read")
     a = ap.parse_args(argv)
     if a.cold and a.h100:
         ap.error("--cold and --h100 cannot be combined (no cold-L2 runs on the H100)")

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.bench_kernels import require_gpu, run_metadata  # noqa: E402
-from experiments.cli import add_grid, auto_int, comma_list, grid  # noqa: E402
+from experiments.cli import add_grid, auto_int, comma_list, grid, out_arg  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
 OPS = ("fwd", "dx", "sddmm")
@@ -44,7 +44,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_grid(ap)
     ap.add_argument("--bt", default="1,2,4,8", help="batch tiles of the tiled kernels")
-    ap.add_argument("--threads", default="256,512,1024")
+    ap.add_argument("--threads", default="256,512,1024", help="threads per block, multiples of 32 up to 1024")
     ap.add_argument("--chunks", default="auto,3,4,6,8", help="column chunks of the wide kernels (auto: the default rule)")
     ap.add_argument("--split", default="1,2,auto", help="chunk groups per row block (auto: one chunk per block)")
     ap.add_argument("--wide-from", type=int, default=16, help="smallest B for which wide settings are tried")
@@ -56,8 +56,8 @@ def main(argv=None):
     ap.add_argument("--row-order", default="auto",
                     help="row orders of the wide SpMMs whose lane groups take a row each (ops.WIDE_ORDER): "
                          "auto (the default), on, off; e.g. on,off for the A/B behind it")
-    ap.add_argument("--ops", default="fwd,dx,sddmm")
-    ap.add_argument("--csv", default=None)
+    ap.add_argument("--ops", default="fwd,dx,sddmm", help="the ops to time, among fwd, dx, sddmm")
+    ap.add_argument("--csv", default=None, help="also write the timings to this CSV")
     args = ap.parse_args(argv)
     # every option checked before the GPU check: a usage error names the option
     threads_ok = "multiples of 32 in [32, 1024]"
@@ -71,6 +71,8 @@ def main(argv=None):
     chunks = comma_list(ap, "chunks", args.chunks, auto_int, lambda c: c is None or c >= 1, "auto or positive ints")
     splits = comma_list(ap, "split", args.split, auto_int, lambda c: c is None or c >= 1, "auto or positive ints")
     ops = comma_list(ap, "ops", args.ops, str.strip, lambda o: o in OPS, f"among {', '.join(OPS)}")
+    if args.csv:
+        out_arg(ap, "csv", args.csv)
     require_gpu("tune_kernels.py")
     from triton.testing import do_bench_cudagraph
     import snack.gpu as G

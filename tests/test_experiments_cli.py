@@ -3,9 +3,12 @@ given, refused combinations and missing inputs end in a one-line message (status
 error), the GPU-only scripts say they need a GPU instead of failing on an import, and
 bench_cpu.py checks the SDDMM it times. Everything runs in process except the one
 check that lives in a script's `__main__`."""
+import argparse
 import csv
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +62,37 @@ def test_bench_layer_quick_keeps_explicit_sizes():
     assert {k: getattr(a, k) for k in b.QUICK} == b.QUICK
     a = b.parse_args([])
     assert {k: getattr(a, k) for k in b.DEFAULTS} == b.DEFAULTS
+
+
+def test_smoke_runs_keep_the_full_runs_csvs():
+    """bench_gpt2 --tiny and bench_layer --quick write CSVs of their own by default, never the
+    committed full-size results (results/bench_gpt2_cpu.csv, results/bench_layer.csv), and git
+    ignores them."""
+    from experiments import bench_gpt2, bench_layer
+    name = {tuple(a): Path(bench_gpt2.parse_args(a).out).name for a in
+            ([], ["--device", "cpu"], ["--device", "cpu", "--tiny"], ["--tiny"])}
+    assert name == {(): "bench_gpt2.csv", ("--device", "cpu"): "bench_gpt2_cpu.csv",
+                    ("--device", "cpu", "--tiny"): "bench_gpt2_cpu_tiny.csv", ("--tiny",): "bench_gpt2_tiny.csv"}
+    assert bench_gpt2.parse_args(["--tiny", "--out", "x.csv"]).out == "x.csv"
+    name = {tuple(a): Path(bench_layer.parse_args(a).out).name for a in
+            (["--quick"], ["--device", "cpu", "--quick"], ["--device", "cpu", "--quick", "--optimizer", "snack-adam"])}
+    assert name == {("--quick",): "bench_layer_quick.csv", ("--device", "cpu", "--quick"): "bench_layer_cpu_quick.csv",
+                    ("--device", "cpu", "--quick", "--optimizer", "snack-adam"): "bench_layer_cpu_snack_adam_quick.csv"}
+    smoke = ["results/bench_gpt2_cpu_tiny.csv", "results/bench_gpt2_tiny.csv", "results/bench_layer_cpu_quick.csv",
+             "results/bench_layer_cpu_quick.json"]
+    r = subprocess.run(["git", "check-ignore", *smoke, "results/bench_gpt2_cpu.csv", "results/bench_layer.csv"],
+                       cwd=ROOT, capture_output=True, text=True)
+    if r.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert r.stdout.split() == smoke
+
+
+def test_bench_gpt2_checks_its_timing_lengths(capsys):
+    from experiments import bench_gpt2 as b
+    for opt in ("--warmup_ms", "--rep_ms"):
+        for bad in ("-1", "0"):
+            assert f"{opt} must be > 0, got {bad}" in _usage_error(capsys, b.parse_args, ["--device", "cpu", opt, bad])
+    assert b.parse_args(["--device", "cpu", "--warmup_ms", "1", "--rep_ms", "1"]).rep_ms == 1
 
 
 @pytest.mark.gpu
@@ -165,6 +199,23 @@ def test_bench_layer_rejects_bad_batches(capsys):
     assert "--batches must be" in _usage_error(capsys, b.parse_args, ["--batches", "0"])
 
 
+def test_bench_layer_rejects_no_methods_and_an_out_its_config_would_overwrite(capsys, tmp_path, monkeypatch):
+    """--methods '' or an unknown method, and an --out whose configuration JSON (written beside
+    it, same name, .json) would be the same file: usage errors before anything runs."""
+    from experiments import bench_layer as b
+    monkeypatch.setattr(b, "measure", lambda *a, **k: pytest.fail("the benchmark ran"))
+    cpu = ["--device", "cpu", "--quick"]
+    assert "--methods must be a comma-separated list, got ''" in _usage_error(capsys, b.main, [*cpu, "--methods", ""])
+    assert "--methods must be among snack, dense" in _usage_error(capsys, b.main, [*cpu, "--methods", "snack,sparse"])
+    for out in ("r.json", "r.JSON"):
+        msg = _usage_error(capsys, b.main, [*cpu, "--out", str(tmp_path / out)])
+        assert "configuration" in msg and "the same file" in msg and "--out" in msg
+    (tmp_path / "r.json").mkdir()
+    assert "which is not a file" in _usage_error(capsys, b.main, [*cpu, "--out", str(tmp_path / "r.csv")])
+    a = b.parse_args([*cpu, "--methods", "dense, snack", "--out", str(tmp_path / "run")])
+    assert a.method_list == ["dense", "snack"] and b.config_path(a.out) == tmp_path / "run.json"
+
+
 def test_bench_kernels_quick_keeps_explicit_grid():
     from experiments import bench_kernels as b
     a = b.parse_args(["--quick", "--shapes", "768x768", "--sparsity", "0.5", "--batch", "4,64"])
@@ -240,7 +291,9 @@ def test_bench_layer_autocast_on_the_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--shapes", "4096"], "--shapes must be"),
+    (["--shapes", "4096"], "--shapes must be OUTxIN with positive ints"),
+    (["--shapes", "4096x4096,0x8"], "--shapes must be OUTxIN"),
+    (["--shapes", ","], "--shapes must be a comma-separated list"),
     (["--sparsity", "1.5"], "--sparsity must be"),
     (["--batch", "0"], "--batch must be"),
     (["--batch", "a,b"], "--batch must be"),
@@ -344,12 +397,98 @@ def test_gpu_scripts_check_their_options_first(capsys):
     assert "--dtypes" in msg and "float16" in msg and "float32" in msg
 
 
+# ---- output paths: checked before anything runs -------------------------------------------------
+def _bad_outputs(tmp_path):
+    """Paths no file can be written at: a directory, a path under a regular file, /proc (Linux)."""
+    (tmp_path / "file").write_text("x")
+    bad = [(str(tmp_path), "is a directory"), (str(tmp_path / "file" / "x.csv"), "is not a directory")]
+    if Path("/proc/self").is_dir():
+        bad.append(("/proc/x.csv", "cannot write a file in /proc"))
+    return bad
+
+
+@pytest.mark.parametrize("module,argv,opt,heavy", [
+    ("bench_cpu", [], "--out", "bench_blocks"),
+    ("bench_layer", ["--device", "cpu", "--quick"], "--out", "measure"),
+    ("bench_gpt2", ["--device", "cpu", "--tiny"], "--out", "dense_model"),
+    ("bench_kernels", ["--quick"], "--out", "copy_bandwidth"),
+    ("bench_cold", [], "--out", "copy_bandwidth"),
+    ("bench_first_use", [], "--out", "_run_child"),
+    ("tune_kernels", [], "--csv", "require_gpu"),
+    ("decompose_wide", [], "--csv", "require_gpu"),
+])
+def test_scripts_check_their_output_path_before_running(capsys, tmp_path, monkeypatch, module, argv, opt, heavy):
+    import importlib
+    m = importlib.import_module(f"experiments.{module}")
+    monkeypatch.setattr(m, heavy, lambda *a, **k: pytest.fail(f"{module} ran before checking {opt}"))
+    for path, what in _bad_outputs(tmp_path):
+        msg = _usage_error(capsys, m.main, [*argv, opt, path])
+        assert f"error: {opt} {path}" in msg and what in msg, msg
+    if hasattr(m, "parse_args"):  # a folder not there yet is fine (the writer makes it)
+        new = str(tmp_path / "a" / "b.csv")
+        assert getattr(m.parse_args([*argv, opt, new]), opt[2:]) == new
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the check leaves nothing behind
+
+
+def test_plots_check_their_figure_path_before_drawing(capsys, tmp_path):
+    """plot_*.py --out: a format matplotlib does not write, a directory, an unwritable place are
+    usage errors before anything is read or drawn; no extension writes PNG at <out>.png and says so."""
+    from experiments import plot_gpt2, plot_kernels, plot_layer
+    bad = [(p.replace(".csv", ".png"), what) for p, what in _bad_outputs(tmp_path)] + [
+        (str(tmp_path / "x.pdfx"), "'.pdfx' is not a figure format matplotlib writes"),
+        (str(tmp_path / "x."), "'.' is not a figure format")]
+    for mod in (plot_kernels, plot_layer, plot_gpt2):
+        for path, what in bad:
+            for extra in ([], ["--cold"]) if mod is plot_kernels else ([],):
+                msg = _usage_error(capsys, mod.main, [*extra, "--csv", str(tmp_path / "none.csv"), "--out", path])
+                assert f"--out {path}" in msg and what in msg, msg
+    assert plot_layer.parse_args(["--out", str(tmp_path / "f.SVG")]).out == str(tmp_path / "f.SVG")
+    out = plot_gpt2.main(["--csv", str(ROOT / "results" / "bench_gpt2_cpu.csv"), "--out", str(tmp_path / "fig")])
+    assert out == tmp_path / "fig.png" and out.read_bytes()[:4] == b"\x89PNG"
+    assert f"wrote {tmp_path / 'fig.png'}" in capsys.readouterr().out
+    # --markdown prints a table and writes nothing: its --out is not looked at
+    assert plot_kernels.main(["--markdown", "--out", str(tmp_path), "--csv", str(ROOT / "results" / "bench_kernels_quick.csv")])
+
+
+# ---- help ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("module", ["plot_kernels", "plot_layer", "plot_gpt2", "targets", "bench_kernels", "bench_cold",
+                                    "bench_first_use", "bench_layer", "bench_gpt2", "bench_cpu"])
+def test_every_option_says_what_it_does(monkeypatch, module):
+    import importlib
+
+    class Parsed(Exception):
+        pass
+
+    def stop(self, *a, **k):
+        raise Parsed(self)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    m = importlib.import_module(f"experiments.{module}")
+    with pytest.raises(Parsed) as e:
+        (m.parse_args if hasattr(m, "parse_args") else m.main)([])
+    parser = e.value.args[0]
+    assert parser.description and parser.description.strip()
+    bare = [a.option_strings[-1] for a in parser._actions if not a.help]
+    assert bare == [], f"{module}.py: options without a help string: {bare}"
+
+
+def test_make_help_lists_every_target():
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    text = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    phony = re.search(r"^\.PHONY:((?:.*\\\n)*.*)$", (ROOT / "Makefile").read_text(), flags=re.M).group(1)
+    targets = set(phony.replace("\\", " ").split()) - {"help"}
+    listed = set(re.findall(r"[a-z0-9][a-z0-9-]+", text))
+    assert sorted(targets - listed) == []
+
+
 # ---- missing inputs ----------------------------------------------------------------------------
 def test_plots_name_a_missing_csv(tmp_path, monkeypatch):
     from experiments import plot_kernels, plot_layer
     missing = str(tmp_path / "missing.csv")
-    for mod, script in ((plot_kernels, "bench_kernels.py"), (plot_layer, "bench_layer.py")):
-        msg = _one_line_exit(mod.main, ["--csv", missing, "--out", str(tmp_path / "fig.png")])
+    for mod, script, flags in ((plot_kernels, "bench_kernels.py", []), (plot_layer, "bench_layer.py", []),
+                               (plot_kernels, "bench_cold.py", ["--cold"]),
+                               (plot_kernels, "bench_cold.py", ["--cold", "--markdown"])):
+        msg = _one_line_exit(mod.main, [*flags, "--csv", missing, "--out", str(tmp_path / "fig.png")])
         assert missing in msg and "does not exist" in msg and script in msg
     assert not (tmp_path / "fig.png").exists()
 
@@ -492,6 +631,18 @@ def test_plot_kernels_markdown_tables_from_the_csv(tmp_path, capsys):
     assert "| 0.9 | 8 | 20.0 | 80.0 | 160 | 50.0 | 4.00 | 8.00 | 2.50 | 25% | 25.0 | 18.0 | 1.25 | 0.90 | 40.0 | 43.0 |" in lines
     assert "| 0.99 | 10.00: 4.00 / 8.00 / 2.50x, 25% | 20.00: 4.00 / 8.00 / 2.50x, 25% |" in lines
     assert _one_line_exit(plot_kernels.main, ["--csv", str(path), "--shape", "8x8", "--markdown"]).startswith("no rows")
+
+
+def test_plot_kernels_names_the_shapes_a_csv_has(tmp_path):
+    # bench_kernels' GPT-2 shapes (its host-overhead rows at 4096 x 4096 are no shape to draw)
+    from experiments import plot_kernels
+    gpt2 = str(ROOT / "results" / "bench_kernels_gpt2.csv")
+    for extra in ([], ["--markdown"]):
+        msg = _one_line_exit(plot_kernels.main, ["--csv", gpt2, "--out", str(tmp_path / "k.png"), *extra])
+        assert msg.startswith("no rows for shape 4096x4096") and "its shapes: 2304x768, 3072x768, 768x3072, 768x768;" in msg
+    msg = _one_line_exit(plot_kernels.main, ["--cold", "--markdown", "--shape", "8x8", "--csv", str(ROOT / "results" / "bench_cold.csv")])
+    assert "its shapes: 4096x4096;" in msg
+    assert not list(tmp_path.iterdir())
 
 
 def test_plot_kernels_cold_table_and_figure_from_bench_cold_csv(tmp_path, capsys):

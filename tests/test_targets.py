@@ -80,9 +80,76 @@ def test_layer_memory_target_uses_dense_over_snack(tmp_path):
     assert c.value == pytest.approx(100 / 21) and not c.met
 
 
+def _one_line_exit(fn, *args) -> str:
+    with pytest.raises(SystemExit) as e:
+        fn(*args)
+    msg = e.value.code
+    assert isinstance(msg, str) and msg and "\n" not in msg, msg
+    return msg
+
+
 def test_missing_csv_names_the_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nothing.csv"):
-        targets.kernel_checks(tmp_path / "nothing.csv")
+    msg = _one_line_exit(targets.kernel_checks, tmp_path / "nothing.csv")
+    assert "nothing.csv does not exist" in msg and "--kernels-csv" in msg and "bench_kernels.py" in msg
+
+
+def _write(path: Path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def test_kernel_targets_read_the_4096_rows_of_a_csv_of_several_shapes(tmp_path):
+    """A CSV holding other shapes too (bench_kernels.py's default grid) gives the same targets as
+    its 4096 x 4096 rows alone, whichever shape comes last; one with none of them is one line
+    naming the shapes it has."""
+    rows = targets._rows(targets.KERNELS_CSV)
+    other = [dict(r, shape="768x768", out_features="768", in_features="768",
+                  graph_us=repr(100 * float(r["graph_us"])) if r["method"] == "snack" and r["graph_us"] else r["graph_us"])
+             for r in rows]
+    mixed = targets.kernel_checks(_write(tmp_path / "k.csv", rows + other))
+    assert [(c.name, c.value) for c in mixed] == [(c.name, c.value) for c in targets.kernel_checks()]
+    msg = _one_line_exit(targets.kernel_checks, _write(tmp_path / "gpt2.csv", other))
+    assert "no rows at 4096x4096" in msg and "768x768" in msg
+
+
+def test_layer_targets_read_the_4096_rows_only(tmp_path):
+    with open(targets.LAYER_CSV, newline="") as f:
+        rows = list(csv.DictReader(f))
+    other = [dict(r, in_features="1024", out_features="512", peak_mb="1") for r in rows]
+    mixed = targets.layer_checks(_write(tmp_path / "l.csv", rows + other))
+    assert [(c.name, c.value) for c in mixed] == [(c.name, c.value) for c in targets.layer_checks()]
+    msg = _one_line_exit(targets.layer_checks, _write(tmp_path / "quick.csv", other))
+    assert "no rows at 4096x4096" in msg and "512x1024" in msg and "--layer-csv" in msg
+
+
+def test_cli_refuses_csvs_it_cannot_read_in_one_line(tmp_path, capsys):
+    """A missing file, another script's CSV, an empty or header-only file, a binary file, a
+    non-cold CSV with --cold, a CSV without a target point: one line each, no traceback."""
+    res = ROOT / "results"
+    (tmp_path / "empty.csv").write_text("")
+    (tmp_path / "header.csv").write_text("gpu,commit,shape,sparsity,batch,op,method,graph_us,eager_us,roofline_frac\n")
+    (tmp_path / "binary.csv").write_bytes(b"\xff\xfe\x00garbage")
+    rows = [r for r in targets._rows(targets.KERNELS_CSV) if r["sparsity"] != "0.99"]
+    _write(tmp_path / "part.csv", rows)
+    cases = [(["--kernels-csv", str(tmp_path / "none.csv")], "does not exist"),
+             (["--kernels-csv", str(res / "bench_layer.csv")], "lacks the column(s) gpu"),
+             (["--layer-csv", str(res / "bench_kernels.csv")], "lacks the column(s) device_name"),
+             (["--kernels-csv", str(res / "bench_kernels_gpt2.csv")], "no rows at 4096x4096"),
+             (["--kernels-csv", str(tmp_path / "empty.csv")], "lacks the column(s)"),
+             (["--kernels-csv", str(tmp_path / "header.csv")], "has no rows"),
+             (["--kernels-csv", str(tmp_path / "binary.csv")], "not a readable CSV"),
+             (["--kernels-csv", str(tmp_path)], "cannot be read"),
+             (["--cold", "--kernels-csv", str(targets.KERNELS_CSV)], "lacks the column(s) cold_us"),
+             (["--cold", "--layer-csv", str(targets.LAYER_CSV.with_name("bench_layer.csv"))],
+              "lacks the column(s) graph_cold_us"),
+             (["--kernels-csv", str(tmp_path / "part.csv")], "has no cusparse_csr row at sparsity 0.99, B = 1")]
+    for argv, what in cases:
+        msg = _one_line_exit(targets.main, argv)
+        assert what in msg, (argv, msg)
+    assert capsys.readouterr().out == ""
 
 
 def test_cli_prints_every_target(capsys):
