@@ -185,3 +185,12 @@ def collector_off():
     finally:
         if was:
             gc.enable()
+
+
+def one_line_exit(fn, *args) -> str:
+    """fn(*args) must stop with a one-line message (SystemExit with text); returns it."""
+    with pytest.raises(SystemExit) as e:
+        fn(*args)
+    msg = e.value.code
+    assert isinstance(msg, str) and msg and "\n" not in msg, msg
+    return msg

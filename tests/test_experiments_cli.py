@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import one_line_exit
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -29,14 +31,6 @@ def _usage_error(capsys, fn, *args):
     assert e.value.code == 2
     return capsys.readouterr().err.strip().splitlines()[-1]
 
-
-def _one_line_exit(fn, *args) -> str:
-    """fn(*args) must stop with a one-line message (SystemExit with text)."""
-    with pytest.raises(SystemExit) as e:
-        fn(*args)
-    msg = e.value.code
-    assert isinstance(msg, str) and msg and "\n" not in msg, msg
-    return msg
 
 
 # ---- --quick / --tiny: defaults only for what was not given ------------------------------------
@@ -353,7 +347,7 @@ def test_train_mnist_refuses_dst_without_a_sparse_model():
 def test_gpu_scripts_say_they_need_a_gpu(module, call):
     import importlib
     m = importlib.import_module(f"experiments.{module}")
-    msg = _one_line_exit(call, m)
+    msg = one_line_exit(call, m)
     assert "needs a CUDA GPU" in msg and "GPU machine" in msg
 
 
@@ -488,7 +482,7 @@ def test_plots_name_a_missing_csv(tmp_path, monkeypatch):
     for mod, script, flags in ((plot_kernels, "bench_kernels.py", []), (plot_layer, "bench_layer.py", []),
                                (plot_kernels, "bench_cold.py", ["--cold"]),
                                (plot_kernels, "bench_cold.py", ["--cold", "--markdown"])):
-        msg = _one_line_exit(mod.main, [*flags, "--csv", missing, "--out", str(tmp_path / "fig.png")])
+        msg = one_line_exit(mod.main, [*flags, "--csv", missing, "--out", str(tmp_path / "fig.png")])
         assert missing in msg and "does not exist" in msg and script in msg
     assert not (tmp_path / "fig.png").exists()
 
@@ -521,7 +515,7 @@ def test_plots_refuse_a_csv_they_cannot_draw(tmp_path):
              (plot_layer, "bench_layer.py", "header.csv", "has no rows"),
              (plot_layer, "bench_layer.py", "nan.csv", "holds no timing")]
     for mod, script, name, what in cases:
-        msg = _one_line_exit(mod.main, ["--csv", str(tmp_path / name), "--out", str(tmp_path / "fig.png")])
+        msg = one_line_exit(mod.main, ["--csv", str(tmp_path / name), "--out", str(tmp_path / "fig.png")])
         assert what in msg and name in msg, (mod.__name__, name, msg)
         assert what in ("has no rows", "holds no timing") or script in msg, msg
     assert not (tmp_path / "fig.png").exists()
@@ -630,7 +624,7 @@ def test_plot_kernels_markdown_tables_from_the_csv(tmp_path, capsys):
     lines = text.splitlines()
     assert "| 0.9 | 8 | 20.0 | 80.0 | 160 | 50.0 | 4.00 | 8.00 | 2.50 | 25% | 25.0 | 18.0 | 1.25 | 0.90 | 40.0 | 43.0 |" in lines
     assert "| 0.99 | 10.00: 4.00 / 8.00 / 2.50x, 25% | 20.00: 4.00 / 8.00 / 2.50x, 25% |" in lines
-    assert _one_line_exit(plot_kernels.main, ["--csv", str(path), "--shape", "8x8", "--markdown"]).startswith("no rows")
+    assert one_line_exit(plot_kernels.main, ["--csv", str(path), "--shape", "8x8", "--markdown"]).startswith("no rows")
 
 
 def test_plot_kernels_names_the_shapes_a_csv_has(tmp_path):
@@ -638,9 +632,9 @@ def test_plot_kernels_names_the_shapes_a_csv_has(tmp_path):
     from experiments import plot_kernels
     gpt2 = str(ROOT / "results" / "bench_kernels_gpt2.csv")
     for extra in ([], ["--markdown"]):
-        msg = _one_line_exit(plot_kernels.main, ["--csv", gpt2, "--out", str(tmp_path / "k.png"), *extra])
+        msg = one_line_exit(plot_kernels.main, ["--csv", gpt2, "--out", str(tmp_path / "k.png"), *extra])
         assert msg.startswith("no rows for shape 4096x4096") and "its shapes: 2304x768, 3072x768, 768x3072, 768x768;" in msg
-    msg = _one_line_exit(plot_kernels.main, ["--cold", "--markdown", "--shape", "8x8", "--csv", str(ROOT / "results" / "bench_cold.csv")])
+    msg = one_line_exit(plot_kernels.main, ["--cold", "--markdown", "--shape", "8x8", "--csv", str(ROOT / "results" / "bench_cold.csv")])
     assert "its shapes: 4096x4096;" in msg
     assert not list(tmp_path.iterdir())
 
@@ -667,7 +661,7 @@ def test_plot_kernels_cold_table_and_figure_from_bench_cold_csv(tmp_path, capsys
     png = tmp_path / "cold.png"
     assert plot_kernels.main(["--csv", str(path), "--shape", "64x64", "--cold", "--out", str(png)]) == str(png)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert _one_line_exit(plot_kernels.main, ["--csv", str(path), "--markdown", "--cold"]).startswith("no rows")
+    assert one_line_exit(plot_kernels.main, ["--csv", str(path), "--markdown", "--cold"]).startswith("no rows")
 
 
 def test_plot_layer_draws_the_cold_l2_times_beside_the_warm_ones(tmp_path):

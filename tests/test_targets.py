@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import one_line_exit
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 import targets  # noqa: E402
@@ -80,16 +82,9 @@ def test_layer_memory_target_uses_dense_over_snack(tmp_path):
     assert c.value == pytest.approx(100 / 21) and not c.met
 
 
-def _one_line_exit(fn, *args) -> str:
-    with pytest.raises(SystemExit) as e:
-        fn(*args)
-    msg = e.value.code
-    assert isinstance(msg, str) and msg and "\n" not in msg, msg
-    return msg
-
 
 def test_missing_csv_names_the_file(tmp_path):
-    msg = _one_line_exit(targets.kernel_checks, tmp_path / "nothing.csv")
+    msg = one_line_exit(targets.kernel_checks, tmp_path / "nothing.csv")
     assert "nothing.csv does not exist" in msg and "--kernels-csv" in msg and "bench_kernels.py" in msg
 
 
@@ -111,7 +106,7 @@ def test_kernel_targets_read_the_4096_rows_of_a_csv_of_several_shapes(tmp_path):
              for r in rows]
     mixed = targets.kernel_checks(_write(tmp_path / "k.csv", rows + other))
     assert [(c.name, c.value) for c in mixed] == [(c.name, c.value) for c in targets.kernel_checks()]
-    msg = _one_line_exit(targets.kernel_checks, _write(tmp_path / "gpt2.csv", other))
+    msg = one_line_exit(targets.kernel_checks, _write(tmp_path / "gpt2.csv", other))
     assert "no rows at 4096x4096" in msg and "768x768" in msg
 
 
@@ -121,7 +116,7 @@ def test_layer_targets_read_the_4096_rows_only(tmp_path):
     other = [dict(r, in_features="1024", out_features="512", peak_mb="1") for r in rows]
     mixed = targets.layer_checks(_write(tmp_path / "l.csv", rows + other))
     assert [(c.name, c.value) for c in mixed] == [(c.name, c.value) for c in targets.layer_checks()]
-    msg = _one_line_exit(targets.layer_checks, _write(tmp_path / "quick.csv", other))
+    msg = one_line_exit(targets.layer_checks, _write(tmp_path / "quick.csv", other))
     assert "no rows at 4096x4096" in msg and "512x1024" in msg and "--layer-csv" in msg
 
 
@@ -147,7 +142,7 @@ def test_cli_refuses_csvs_it_cannot_read_in_one_line(tmp_path, capsys):
               "lacks the column(s) graph_cold_us"),
              (["--kernels-csv", str(tmp_path / "part.csv")], "has no cusparse_csr row at sparsity 0.99, B = 1")]
     for argv, what in cases:
-        msg = _one_line_exit(targets.main, argv)
+        msg = one_line_exit(targets.main, argv)
         assert what in msg, (argv, msg)
     assert capsys.readouterr().out == ""
 
