@@ -754,7 +754,8 @@ class SET(DynamicSparseTraining):
 
     Drop: positive and negative weights separately, the same fraction of each group: the
     smallest positives and the negatives closest to zero (zeros count as positives, dropped
-    first). Grow: uniformly at random among the free coordinates (what top-k of i.i.d. uniform
+    first). Each group's count is rounded on its own, so a small layer may drop (and regrow) one
+    more or one fewer than round(fraction * nnz). Grow: uniformly at random among the free coordinates (what top-k of i.i.d. uniform
     grow scores would give), sampled in rank space without a mask. The paper keeps the fraction
     constant (decay="constant"); the default follows RigL's comparison (cosine). Arguments as
     `DynamicSparseTraining`.
