@@ -172,13 +172,16 @@ class _CaptureHook:
     def __init__(self, dst: Optional["DynamicSparseTraining"] = None):
         self._ref = weakref.ref(dst) if dst is not None else None
 
+    def _target(self) -> Optional["DynamicSparseTraining"]:
+        return self._ref() if self._ref is not None else None
+
     @property
     def alive(self) -> bool:
         """Whether a DST object is behind this hook (False in a copy, or once that object is gone)."""
-        return self._ref is not None and self._ref() is not None
+        return self._target() is not None
 
     def __call__(self, module, inputs, output):
-        dst = self._ref() if self._ref is not None else None
+        dst = self._target()
         if dst is not None:
             dst._capture(module, inputs, output)
 
@@ -350,7 +353,6 @@ class DynamicSparseTraining:
         self.last_update: Optional[UpdateSummary] = None
         self._captured: Dict[int, list] = {}
         self._hooks = []
-        self._hooks_removed = False
         if self.needs_gradient:
             for _, m in self.layers:
                 self._hooks.append(m.register_forward_hook(_CaptureHook(self)))
@@ -481,14 +483,13 @@ class DynamicSparseTraining:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self._hooks_removed = True
         self._captured.clear()
 
     # ---- the update ---------------------------------------------------------------------------
     def step(self) -> Optional[UpdateSummary]:
         """Counts one training step; on an update step prunes and regrows every layer and returns
         the `UpdateSummary` (also kept in `last_update`), else returns None."""
-        if self._hooks_removed and self.needs_gradient:
+        if self.needs_gradient and not self._hooks:  # (registered at construction, one per layer)
             raise RuntimeError(f"{type(self).__name__}.step() after remove_hooks(): the dense gradients its "
                                "growth needs are no longer captured; build a new one to go on")
         self._step += 1
