@@ -150,6 +150,28 @@ def pytest_runtest_makereport(item, call):
     setattr(item, "rep_" + rep.when, rep)
 
 
+_WORKER_CONTEXTS = set()
+
+
+@pytest.fixture(autouse=True)
+def _autograd_worker_context(request):
+    """Gives autograd's worker thread for each GPU a current CUDA context before a GPU test runs.
+
+    The thread starts without one, and when the first backward that runs on it in a process begins
+    with a cuBLAS call (a dense `addmm`'s backward, as a layer at sparsity 0 runs), torch warns
+    "Attempting to run cuBLAS, but there was no current CUDA context!" and sets it. Which test
+    meets that first depends on the order tests reach a process, so the GPU runs that make autograd
+    warnings errors (`-W error::UserWarning:torch.autograd.graph`) failed now and then. One
+    elementwise backward per device, once per process, makes the context current on that thread."""
+    if "gpu" in request.node.keywords and torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            if i not in _WORKER_CONTEXTS:
+                t = torch.ones(1, device=torch.device("cuda", i), requires_grad=True)
+                (t * 2).sum().backward()
+                _WORKER_CONTEXTS.add(i)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _cuda_rng_after_a_failed_capture(request):
     """One failed CUDA-graph capture fails one test, not every GPU test after it.
