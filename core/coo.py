@@ -190,9 +190,15 @@ class Topology:
     __slots__ = ("indices", "shape", "cache", "checked", "_nnz", "_device")
 
     def __init__(self, indices: torch.Tensor, shape: Tuple[int, int], *, checked: bool = False):
+        if not isinstance(indices, torch.Tensor):
+            raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+        if indices.dim() != 2 or indices.shape[0] != 2:
+            raise ValueError(f"indices must have shape (2, nnz), got {tuple(indices.shape)}")
+        self.shape = _check_shape(shape)
         self.checked = checked
-        self.indices = indices  # fixed once built: nnz and device are read from it here
-        self.shape = (int(shape[0]), int(shape[1]))
+        # fixed once built: nnz and device are read from it here. The kernels take the two rows
+        # as flat arrays, so a strided tensor (e.g. a transposed (nnz, 2) table) is stored as a copy.
+        self.indices = indices.contiguous()
         self.cache = {}
         self._nnz = int(indices.shape[1])
         self._device = indices.device
@@ -268,10 +274,16 @@ class Topology:
         replayed; launch plans, which depend only on the shape and nnz, are kept. Returns False
         and changes nothing when some cache entry cannot be rebuilt that way (an entry without a
         registered rebuild, see `REBUILD`, or one whose shape or dtype would change); the caller
-        then uses `new` instead. All new arrays are built before the first copy.
+        then uses `new` instead. All new arrays are built before the first copy. A `new` not yet
+        checked (`check_topology`) is checked first: TypeError/ValueError naming `new`, nothing
+        changed.
         """
         if new.shape != self.shape or new.nnz != self.nnz or new.device != self.device:
             return False
+        try:  # the kernels' cached plans skip the checks of a first call: check a hand-built one here
+            check_topology(new)
+        except (TypeError, ValueError) as e:
+            raise type(e)("new" + str(e)[len("topo"):]) from None
         copies = []
         for key, old in self.cache.items():
             name = key if isinstance(key, str) else key[0]

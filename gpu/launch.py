@@ -407,7 +407,7 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
     """
     mode = launch_mode()
     if mode == "sim":
-        nps = [t.numpy() for t in arrays]
+        nps = [t.detach().numpy() for t in arrays]
         dispatcher[grid, block, 0, smem](*nps, *[_scalar(v) for v in scalars])
         return
     cur = _current_device()
@@ -425,7 +425,7 @@ def launch(dispatcher, grid, block, smem, arrays, scalars, device):
     if st is None:
         st = cuda.external_stream(stream_ptr)
         _numba_streams[stream_ptr] = st
-    cas = [cuda.as_cuda_array(t) for t in arrays]
+    cas = [cuda.as_cuda_array(t.detach()) for t in arrays]
     if smem > 48 * 1024:
         _numba_raise_smem(dispatcher, _numba_sig(arrays, scalars), device)
     dispatcher[grid, block, st, smem](*cas, *[_scalar(v) for v in scalars])

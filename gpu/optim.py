@@ -133,8 +133,9 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
               step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
               weight_decay: float = 0.0, decoupled: bool = False) -> None:
     """Updates param, exp_avg and exp_avg_sq in place (one Adam step; AdamW's decoupled weight
-    decay when `decoupled`). All float32, contiguous, same shape and device; `step` one float32
-    element holding this step's count (>= 1), not changed."""
+    decay when `decoupled`). All float32, contiguous, on one device, with the same number of
+    elements (each read as a flat array: shapes are not compared); `step` one float32 element
+    holding this step's count (>= 1), not changed."""
     _check_set(param, grad, exp_avg, exp_avg_sq, step)
     _check_hyper(lr, beta1, beta2, eps, weight_decay)
     _check_flag("decoupled", decoupled)

@@ -337,7 +337,28 @@ def test_topologies_are_checked_once():
     with pytest.raises(ValueError, match="canonical"):
         check_topology(bad)
     assert not bad.checked
-    assert hand.refresh_from(Topology(coo.indices.flip(1).contiguous(), (5, 7))) and not hand.checked
+    other = COO.random((5, 7), nnz=6, seed=1).indices.clone()
+    hand.checked = False
+    assert hand.refresh_from(Topology(other, (5, 7))) and hand.checked  # checked on the way in
+    assert torch.equal(hand.indices, other)
+    with pytest.raises(ValueError, match="new: .*canonical"):  # nothing copied
+        hand.refresh_from(Topology(coo.indices.flip(1).contiguous(), (5, 7)))
+    assert torch.equal(hand.indices, other)
+
+
+def test_topology_arguments():
+    idx = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"shape\[rows\] must be in"):
+        Topology(idx, (-1, 4))
+    with pytest.raises(ValueError, match="shape must be a pair"):
+        Topology(idx, (4,))
+    with pytest.raises(ValueError, match=r"indices must have shape \(2, nnz\)"):
+        Topology(idx[0], (4, 4))
+    with pytest.raises(TypeError, match="indices must be a torch.Tensor"):
+        Topology([[0], [1]], (4, 4))
+    strided = torch.tensor([[0, 1], [2, 0], [3, 3]], dtype=torch.int32).t()
+    t = Topology(strided, (4, 4))
+    assert t.indices.is_contiguous() and torch.equal(t.indices, strided) and t.nnz == 3
 
 
 def test_bad_arguments_name_themselves():

@@ -783,6 +783,45 @@ def test_a_hand_built_topology_is_checked_before_any_kernel():
         assert y.isnan().all() and dx.isnan().all()
 
 
+def test_hand_built_topologies_strided_or_refreshed_after_a_cached_plan():
+    # indices made as a transposed (nnz, 2) table (strided): the kernels read the two rows as
+    # flat arrays, so the topology keeps a contiguous copy and every op matches the reference
+    from snack.core import Topology
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(6, 9, generator=g) < 0.4
+    idx = torch.stack(torch.where(mask), 1).to(torch.int32).t()
+    assert not idx.is_contiguous()
+    t = Topology(idx, (6, 9))
+    assert t.indices.is_contiguous() and torch.equal(t.indices, idx)
+    v = torch.randn(t.nnz, generator=g)
+    w = torch.zeros(6, 9)
+    w[mask] = v
+    x, dy = torch.randn(3, 9, generator=g), torch.randn(3, 6, generator=g)
+    torch.testing.assert_close(G.spmm(x, t, v), x @ w.T)
+    torch.testing.assert_close(G.spmm_t(dy, t, v), dy @ w)
+    torch.testing.assert_close(G.sddmm(dy, x, t), (dy.T @ x)[mask])
+    # a pattern refreshed in place after the op cached its plan (whose fast path skips the
+    # checks): an invalid new pattern is refused by name and changes nothing
+    before = t.indices.clone()
+    for bad, msg in (([[0, 1], [1, 9]], r"new: indices\[1\]"), ([[1, 0], [0, 1]], "new: .*canonical")):
+        new = torch.tensor(bad, dtype=torch.int32)
+        new = torch.cat([new, t.indices[:, 2:]], 1) if t.nnz > 2 else new
+        with pytest.raises(ValueError, match=msg):
+            t.refresh_from(Topology(new, (6, 9)))
+        assert torch.equal(t.indices, before)
+    torch.testing.assert_close(G.spmm(x, t, v), x @ w.T)
+
+
+def test_inputs_that_require_grad():
+    # the ops take tensors that require grad (they are not autograd functions: no graph is made)
+    coo = COO.random((5, 7), nnz=12, seed=3)
+    x = torch.randn(2, 7, requires_grad=True)
+    v = coo.values.clone().requires_grad_()
+    y = G.spmm(x, coo.topology, v)
+    assert not y.requires_grad
+    assert _rel(y, spmm_reference(x.detach().double(), coo.indices, coo.values.double(), 5)) < TOL[torch.float32]
+
+
 def test_fused_backward_fallback_keeps_chunks_and_split(monkeypatch):
     # where the fused kernel does not apply (here: fused=False), dX still gets the chunks and
     # split asked for, which mean the same column chunks of dY there
