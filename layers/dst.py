@@ -246,9 +246,16 @@ class DynamicSparseTraining:
             under torchrun, model parallelism) need process_group=False.
 
     Call `step()` once per training step, after optimizer.step(). Per layer and update, exactly
-    as many connections are grown as dropped (nnz never changes), no coordinate appears twice,
-    grown coordinates are ones the layer did not hold before the update (a dropped connection
-    is not regrown in the same update), regrown values and their optimizer state are 0.
+    as many connections are grown as dropped (nnz never changes), round(f * nnz) of them (Python's
+    rounding: halves to even), at most the layer's free coordinates; no coordinate appears
+    twice, grown coordinates are ones the layer did not hold before the update (a dropped
+    connection is not regrown in the same update), regrown values and their optimizer state are 0.
+    Where this differs from the papers: RigL's algorithm grows among all coordinates inactive
+    after the drop, so a connection dropped and regrown at once keeps its value, and it skips the
+    optimizer step on update steps; here every update replaces exactly that many connections
+    (a nearly dense layer changes at most its free coordinates), and the optimizer step of an
+    update step is taken (RigL's growth scores the gradient at the weights before it, the drop
+    the magnitudes after it).
     `last_update` holds the `UpdateSummary` of the latest update (also returned by `step()`).
     Under DistributedDataParallel the ranks make the same choices (see `process_group`).
     """
@@ -472,7 +479,10 @@ class DynamicSparseTraining:
         self._captured.setdefault(id(module), []).append(rec)
 
         def keep_grad(g, rec=rec, out_f=module.out_features):
-            rec[1] = g.detach().reshape(-1, out_f)
+            # several backward passes through one output (retain_graph, several losses) add up,
+            # as they do in .grad
+            g = g.detach().reshape(-1, out_f)
+            rec[1] = g if rec[1] is None else rec[1] + g
         output.register_hook(keep_grad)
 
     def _records(self, layer: SparseLinear) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -649,8 +659,13 @@ class DynamicSparseTraining:
             sizes = torch.bincount(groups, minlength=1).tolist()
         counts = [int(round(f * s)) for s in sizes]
         total = sum(counts)
-        if total > free:  # cannot grow more than there are free coordinates: scale down
-            counts = [c * free // total for c in counts]
+        if total > free:  # cannot grow more than there are free coordinates: scale down to free,
+            # each group by its share, the rounding's remainder to the largest fractions
+            scaled = [c * free // total for c in counts]
+            rest = sorted(range(len(counts)), key=lambda i: (scaled[i] * total - counts[i] * free, i))
+            for i in rest[:free - sum(scaled)]:
+                scaled[i] += 1
+            counts = scaled
         k = sum(counts)
         if k == 0:
             return row, None
@@ -756,8 +771,10 @@ class SET(DynamicSparseTraining):
     Drop: positive and negative weights separately, the same fraction of each group: the
     smallest positives and the negatives closest to zero (zeros count as positives, dropped
     first). Each group's count is rounded on its own, so a small layer may drop (and regrow) one
-    more or one fewer than round(fraction * nnz). Grow: uniformly at random among the free coordinates (what top-k of i.i.d. uniform
-    grow scores would give), sampled in rank space without a mask. The paper keeps the fraction
+    more or one fewer than round(fraction * nnz); where the layer has fewer free coordinates than
+    that, the groups share them in proportion. Grow: uniformly at random among the free coordinates (what top-k of i.i.d. uniform
+    grow scores would give), sampled in rank space without a mask, at value 0 (a choice: the
+    paper's implementation draws new weights at random). The paper keeps the fraction
     constant (decay="constant"); the default follows RigL's comparison (cosine). Arguments as
     `DynamicSparseTraining`.
     """
@@ -780,7 +797,8 @@ class RigL(DynamicSparseTraining):
     Drop: the connections of smallest |value|. Grow: the free coordinates of largest |dL/dW|,
     dL/dW = sum over the step's forward calls of dY^T X, from the input and output gradient
     captured by a forward hook during the forward/backward that precedes an update step
-    (nothing is kept on other steps). The grid is scored in tiles of at most `grad_block_numel`
+    (nothing is kept on other steps; every gradient that reaches the layer's output in between
+    is added: several backward passes, and also an `autograd.grad` call through it). The grid is scored in tiles of at most `grad_block_numel`
     entries. Defaults as the paper: drop fraction 0.3 with cosine decay, update every 100 steps,
     stop at 75% of total_steps, new weights at zero.
 

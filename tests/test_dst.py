@@ -245,6 +245,47 @@ def test_rigl_drops_smallest_and_grows_largest_dense_gradient(block):
         _check_canonical(l)
 
 
+def test_rigl_scores_add_the_backward_passes_through_one_forward():
+    # two losses on one forward, each with its own backward (retain_graph): the growth score is
+    # |dL/dW| of their sum, as values.grad accumulates it, not the last backward's alone
+    layer = SparseLinear.from_dense(torch.randn(6, 8, generator=_gen(2)), sparsity=0.5)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = RigL(layer, opt, update_every=1, drop_fraction=0.3, decay="constant", seed=0)
+    g = _gen(4)
+    x, t1, t2 = torch.randn(5, 8, generator=g), torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g)
+    out = layer(x)
+    ((out - t1) ** 2).sum().backward(retain_graph=True)
+    (out * t2).sum().backward()
+    w = layer.to_dense().double().detach().requires_grad_()
+    ref = F.linear(x.double(), w)  # (from a bare weight: no bias)
+    (((ref - t1.double()) ** 2).sum() + (ref * t2.double()).sum()).backward()
+    torch.testing.assert_close(dst.grow_scores(layer, (0, 6), (0, 8)).double(), w.grad.abs(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [SET, RigL])
+@pytest.mark.parametrize("shape,nnz,fraction", [((3, 4), 11, 0.5), ((10, 10), 90, 0.99), ((5, 5), 21, 0.9)])
+def test_an_update_capped_by_free_coordinates_uses_them_all(cls, shape, nnz, fraction):
+    # round(f * nnz) above the free coordinates: every free coordinate is grown (SET shares
+    # them between its sign groups in proportion, the remainder to the largest fractions)
+    numel = shape[0] * shape[1]
+    mask = torch.zeros(numel, dtype=torch.bool)
+    mask[torch.randperm(numel, generator=_gen(1))[:nnz]] = True
+    # both signs present, in groups of unequal size
+    layer = SparseLinear.from_dense(torch.randn(shape, generator=_gen(3)), mask=mask.view(shape))
+    assert layer.nnz == nnz
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = cls(layer, opt, update_every=1, drop_fraction=fraction, decay="constant", seed=0)
+    layer(torch.randn(4, shape[1], generator=_gen(5))).sum().backward()
+    free = shape[0] * shape[1] - nnz
+    assert round(fraction * nnz) > free
+    before = set(_keys(layer).tolist())
+    row = dst.step().layers[0]
+    assert row.dropped == row.grown == free
+    after = set(_keys(layer).tolist())
+    assert len(after - before) == free and len(after) == nnz
+    _check_canonical(layer)
+
+
 def test_an_update_inside_an_autocast_region_scores_in_float32(monkeypatch):
     # dst.step() called inside a torch.autocast region: RigL's dY^T X products run in fp32 all
     # the same (autocast would make them bf16), so the pattern equals the one an update outside
