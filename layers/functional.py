@@ -46,6 +46,8 @@ from .backend import _version_of
 from snack.core import Topology
 from snack.core.coo import REBUILD
 
+_is_tracing = torch._C._is_tracing  # torch.jit.trace is recording (torch.jit.is_tracing without its wrapper)
+
 __all__ = ["sparse_linear", "SparseLinearFunction", "settle_autograd"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -552,6 +554,11 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
     Where the pattern holds every connection (nnz = out_features * in_features) the product runs
     as `F.linear` on `values` viewed as the (out, in) matrix it then is (eager mode).
     """
+    compiling = torch.compiler.is_compiling()
+    if not compiling and _is_tracing():
+        raise RuntimeError("torch.jit.trace cannot record sparse_linear (SparseLinear): its kernels run outside "
+                           "the tracer, which would record a graph without them; use torch.compile or "
+                           "torch.export, or snack.densify(model) for a dense copy of the model")
     _check_tensor("x", x)
     _check_tensor("values", values, dims=1)
     if type(out_features) is not int:  # (the exact-type test first: an ABC isinstance costs ~0.5 us)
@@ -588,7 +595,6 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
     dev_type = dev.type
     autocast = dev_type in ("cuda", "cpu") and torch.is_autocast_enabled(dev_type)
     result_dtype = None
-    compiling = torch.compiler.is_compiling()
     if autocast:
         x, values, bias, result_dtype = _autocast_inputs(x, values, bias, dev_type, compiling)
     if values.dtype != x.dtype and not autocast:  # (under autocast: float32 values on the GPU backend)
@@ -596,6 +602,8 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
     if bias is not None and bias.dtype != values.dtype:
         raise TypeError(f"bias must have the dtype of x and values, {values.dtype}, got {bias.dtype}")
 
+    if dev_type == "meta":  # shapes only (a model built on the meta device): the op's fake
+        compiling = True      # implementation, as in a traced model
     try:
         topo = None if compiling else backend.get_topology(indices, (out_features, in_f))
     except RuntimeError:

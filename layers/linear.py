@@ -19,6 +19,7 @@ RuntimeError that says so, unless its state was loaded to match too.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
@@ -109,6 +110,22 @@ def _static_address(indices: torch.Tensor) -> torch.Tensor:
     a host sync, at every call). Returns `indices`."""
     indices._dynamo_static_input_type = "unguarded"
     return indices
+
+
+@contextlib.contextmanager
+def _classic_conversion():
+    """Turns torch's swap mode (`torch.__future__.set_swap_module_params_on_conversion(True)`)
+    off around a SparseLinear's own load and conversion: `torch.utils.swap_tensors` refuses
+    tensors that are weakly referenced, as `indices` is by its cached topology and `values` after
+    a resize; the classic path (copy, `.data` assignment) keeps the same Parameter objects."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    if swap:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    try:
+        yield
+    finally:
+        if swap:
+            torch.__future__.set_swap_module_params_on_conversion(True)
 
 
 class SparseLinear(nn.Module):
@@ -206,6 +223,11 @@ class SparseLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"nnz={self.nnz}, sparsity={self.sparsity:.4f}, bias={self.bias is not None}")
 
+    def __prepare_scriptable__(self):
+        raise RuntimeError("SparseLinear cannot be compiled by TorchScript (torch.jit.script): its forward runs "
+                           "Python and Numba kernels; use torch.compile or torch.export, or snack.densify(model) "
+                           "for a dense copy of the model")
+
     # ---- compute -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the parameters and the buffer straight from their dicts (nn.Module.__getattr__ costs
@@ -237,7 +259,8 @@ class SparseLinear(nn.Module):
             if t is idx and isinstance(out, torch.Tensor) and out.dtype != idx.dtype:
                 out = idx.to(device=out.device)
             return out
-        out = super()._apply(keep_indices_int32, recurse)
+        with _classic_conversion():
+            out = super()._apply(keep_indices_int32, recurse)
         if self._buffers.get("indices") is not None:
             _static_address(self._buffers["indices"])
         return out
@@ -282,8 +305,9 @@ class SparseLinear(nn.Module):
                     (self.bias is not None and isinstance(bias, torch.Tensor) and bias.shape != self.bias.shape)
                     or (strict and (self.bias is None) != (bias is None))):
                 # the load fails on the bias anyway (torch reports it): leave values and indices as they are
-                return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                                     unexpected_keys, error_msgs)
+                with _classic_conversion():
+                    return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                         unexpected_keys, error_msgs)
             if nnz and idx.device.type != "meta":
                 lo, hi = idx.amin(dim=1).tolist(), idx.amax(dim=1).tolist()
                 if min(lo) < 0 or hi[0] >= self.out_features or hi[1] >= self.in_features:
@@ -311,8 +335,9 @@ class SparseLinear(nn.Module):
                     self.values.grad = None  # a gradient of the old size would break the next backward
                     self._buffers["indices"] = _static_address(
                         torch.empty(2, nnz, dtype=INDEX_DTYPE, device=self.indices.device))
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        with _classic_conversion():
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
         ind = self._buffers.get("indices")
         if ind is not None and (ind.dtype != INDEX_DTYPE or not ind.is_contiguous()):  # load_state_dict(assign=True)
             self._buffers["indices"] = _static_address(ind.to(INDEX_DTYPE).contiguous())

@@ -155,15 +155,39 @@ def _unsafe_to_replace(m: nn.Module, action: str = "sparsify") -> str:
 def _leave_transformer_fast_path(model: nn.Module) -> None:
     """nn.TransformerEncoder(Layer)'s inference fast path reads linear1/linear2's dense `.weight`;
     where those became SparseLinear the layers take their ordinary path instead (the same
-    result, computed by the modules)."""
+    result, computed by the modules). The flags they had are kept on the modules for `densify`."""
     for m in model.modules():
-        if isinstance(m, nn.TransformerEncoderLayer) and (isinstance(m.linear1, SparseLinear)
-                                                           or isinstance(m.linear2, SparseLinear)):
+        if isinstance(m, nn.TransformerEncoderLayer) and _holds_sparse(m):
+            if not hasattr(m, _FAST_PATH_KEPT):
+                setattr(m, _FAST_PATH_KEPT, m.activation_relu_or_gelu)
             m.activation_relu_or_gelu = 0  # read only by the fast path's checks
     for m in model.modules():
         if isinstance(m, nn.TransformerEncoder) and any(
                 isinstance(l, nn.TransformerEncoderLayer) and not l.activation_relu_or_gelu for l in m.layers):
+            if not hasattr(m, _FAST_PATH_KEPT):
+                setattr(m, _FAST_PATH_KEPT, m.use_nested_tensor)
             m.use_nested_tensor = False  # the encoder's own fast path reads the first layer's weights
+
+
+_FAST_PATH_KEPT = "_snack_fast_path_flag"  # the flag `_leave_transformer_fast_path` turned off
+
+
+def _holds_sparse(layer: nn.Module) -> bool:
+    return isinstance(layer.linear1, SparseLinear) or isinstance(layer.linear2, SparseLinear)
+
+
+def _restore_transformer_fast_path(model: nn.Module) -> None:
+    """After `densify`: the transformer layers left without SparseLinear, and the encoders whose
+    layers all are, get back the fast-path flags they had before `sparsify`."""
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoderLayer) and hasattr(m, _FAST_PATH_KEPT) and not _holds_sparse(m):
+            m.activation_relu_or_gelu = getattr(m, _FAST_PATH_KEPT)
+            delattr(m, _FAST_PATH_KEPT)
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoder) and hasattr(m, _FAST_PATH_KEPT) and not any(
+                isinstance(l, nn.TransformerEncoderLayer) and _holds_sparse(l) for l in m.layers):
+            m.use_nested_tensor = getattr(m, _FAST_PATH_KEPT)
+            delattr(m, _FAST_PATH_KEPT)
 
 
 def _as_patterns(name: str, p) -> List[Pattern]:
@@ -374,6 +398,8 @@ def densify(model: nn.Module, *, include: Union[None, Pattern, Sequence[Pattern]
     again (weight (in, out)), so that the state_dict loads into the original model. Bias, device,
     dtype, requires_grad and training mode are kept; the outputs are those of the sparse layer
     (within rounding). This allocates every layer's dense weight: it is for the end of training.
+    nn.TransformerEncoder(Layer)s whose feed-forward layers are all dense again get back the
+    inference fast path that `sparsify` turned off for them.
 
     Args:
         model: any nn.Module. If it is itself a SparseLinear, its dense module is returned.
@@ -414,4 +440,6 @@ def densify(model: nn.Module, *, include: Union[None, Pattern, Sequence[Pattern]
     _warn_unmatched("densify", inc, exc, sparse_names, "SparseLinear")
     if not sparse_names:
         warnings.warn("densify: the model holds no SparseLinear", stacklevel=2)
-    return _replace(model, replaced)
+    model = _replace(model, replaced)
+    _restore_transformer_fast_path(model)
+    return model

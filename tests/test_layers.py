@@ -237,6 +237,51 @@ def test_from_dense_and_sparsify_on_the_meta_device():
         SparseLinear.from_dense(torch.randn(6, 7), mask=mask.to("meta"))
 
 
+def test_forward_on_the_meta_device_gives_the_output_shape():
+    with torch.device("meta"):
+        layer = SparseLinear(20, 10, sparsity=0.7)
+        model = nn.Sequential(layer, nn.ReLU(), nn.Linear(10, 3))
+    y = layer(torch.randn(4, 5, 20, device="meta"))
+    assert y.is_meta and y.shape == (4, 5, 10) and y.dtype == torch.float32
+    assert model(torch.randn(6, 20, device="meta")).shape == (6, 3)
+
+
+def test_torchscript_is_refused_by_name():
+    layer = SparseLinear(20, 10, sparsity=0.7)
+    with pytest.raises(RuntimeError, match="torch.jit.trace cannot record sparse_linear"):
+        torch.jit.trace(layer, torch.randn(4, 20))
+    for m in (layer, nn.Sequential(nn.Linear(5, 20), layer)):
+        with pytest.raises(RuntimeError, match="SparseLinear cannot be compiled by TorchScript"):
+            torch.jit.script(m)
+    assert layer(torch.randn(4, 20)).shape == (4, 10)  # still usable
+
+
+@pytest.fixture
+def swap_mode():
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+def test_load_and_conversion_under_torch_swap_mode(swap_mode):
+    # torch.__future__.set_swap_module_params_on_conversion(True): the layer loads and converts
+    # as in the classic mode (swap_tensors refuses its weakly referenced tensors)
+    torch.manual_seed(0)
+    src, dst = SparseLinear(20, 10, sparsity=0.8), SparseLinear(20, 10, sparsity=0.8)
+    x = torch.randn(4, 20)
+    dst(x)                                   # its topology is cached (a weak reference to indices)
+    values = dst.values
+    dst.load_state_dict(src.state_dict())
+    assert dst.values is values and torch.equal(dst(x), src(x))
+    other = SparseLinear(20, 10, sparsity=0.5)
+    other.load_state_dict(src.state_dict())  # another nnz: resized
+    assert other.nnz == src.nnz and torch.equal(other(x), src(x))
+    other.double()
+    assert other.values.dtype == torch.float64 and other.indices.dtype == torch.int32
+    torch.testing.assert_close(other(x.double()), src(x).double())
+    assert torch.__future__.get_swap_module_params_on_conversion()  # the mode is left as it was
+
+
 def test_from_dense_by_magnitude_rejects_nan_but_a_mask_keeps_it():
     """NaN has no magnitude: keeping the largest |w| of a weight holding one raises (naming where),
     while a mask or the non-zeros of the weight choose the pattern without ranking it."""

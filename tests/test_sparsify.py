@@ -253,6 +253,20 @@ def test_transformer_encoder_keeps_working_in_eval_mode():
     sparse.train()
     sparse(x, src_key_padding_mask=pad).sum().backward()
     assert sparse.layers[0].linear1.values.grad is not None
+    # densify gives the fast path back: the flags sparsify turned off, and the fast path's result
+    # (padded positions at 0) again
+    assert not sparse.use_nested_tensor and not sparse.layers[0].activation_relu_or_gelu
+    dense = snack.densify(sparse.eval())
+    assert dense.use_nested_tensor and all(l.activation_relu_or_gelu == 1 for l in dense.layers)
+    assert not any("snack" in k for m in dense.modules() for k in vars(m))
+    with torch.no_grad():
+        back = dense(x, src_key_padding_mask=pad)
+    assert back.is_nested or torch.equal(back[0, 3:], torch.zeros_like(back[0, 3:]))
+    torch.testing.assert_close(back[keep], ref[keep], rtol=1e-5, atol=1e-5)
+    # a layer left sparse keeps its layer, and the encoder, off the fast path
+    part = snack.densify(sparsify(_copy(enc), 0.5), exclude="layers.1.linear2")
+    assert part.layers[0].activation_relu_or_gelu == 1 and not part.layers[1].activation_relu_or_gelu
+    assert not part.use_nested_tensor
 
 
 def test_subclasses_hooks_and_parametrizations_are_left_dense_with_a_warning():
