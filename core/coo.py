@@ -453,28 +453,37 @@ class COO:
     def from_scipy(cls, mat, *, dtype: torch.dtype = torch.float32, device=None) -> "COO":
         """From any scipy.sparse matrix/array of real numbers, its values cast to `dtype` (float32
         by default: give dtype=torch.float64 to keep float64 data exact). Duplicated entries
-        raise ValueError; complex data raises TypeError."""
+        raise ValueError; complex data raises TypeError. The COO owns its tensors: nothing is
+        shared with `mat`."""
         import scipy.sparse as sp
         if not sp.issparse(mat):
             raise TypeError(f"mat must be a scipy.sparse matrix or array, got {type(mat).__name__}")
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype must be a floating dtype (float16/bfloat16/float32/float64), got {dtype!r}")
+        if len(mat.shape) != 2:
+            raise ValueError(f"mat must be 2-D, got shape {tuple(mat.shape)}")
         m = mat.tocoo()
         if not (np.issubdtype(m.dtype, np.floating) or np.issubdtype(m.dtype, np.integer) or m.dtype == np.bool_):
             raise TypeError(f"mat must hold real numbers, got {m.dtype} (a complex matrix would lose its "
                             "imaginary part)")
+        data = m.data
+        if np.issubdtype(data.dtype, np.floating) and data.dtype.itemsize > 8:  # long double: no torch dtype
+            data = data.astype(np.float64)
         idx = torch.from_numpy(np.stack([m.row, m.col]).astype(np.int64))
-        vals = torch.from_numpy(np.asarray(m.data)).to(dtype)
+        vals = torch.from_numpy(np.array(data, copy=True)).to(dtype)
         coo = cls(idx, vals, m.shape)
         return coo.to(device) if device is not None else coo
 
     def to_scipy(self, format: str = "coo"):
-        """A scipy.sparse array ('coo' or 'csr') in float64 for float16/bfloat16 values."""
+        """A scipy.sparse array ('coo' or 'csr'), in float64 for float16/bfloat16 values. It owns
+        its arrays: editing it leaves this COO (and a layer's weights) as they are."""
         import scipy.sparse as sp
-        idx = self.indices.cpu().numpy()
+        idx = self.indices.cpu().numpy().copy()
         v = self.values.detach().cpu()
         if v.dtype in (torch.float16, torch.bfloat16):
-            v = v.to(torch.float64)
+            v = v.to(torch.float64)  # (a copy)
+        else:
+            v = v.clone()
         m = sp.coo_array((v.numpy(), (idx[0], idx[1])), shape=self.shape)
         if format == "coo":
             return m
@@ -484,11 +493,19 @@ class COO:
 
     @classmethod
     def from_torch_sparse(cls, t: torch.Tensor) -> "COO":
-        """From a torch sparse COO or CSR tensor. An uncoalesced COO with duplicates raises."""
+        """From a torch sparse COO or CSR tensor of floating values. An uncoalesced COO with
+        duplicates raises. As the constructor, it keeps `t`'s values tensor (no copy) where its
+        entries are already in row-major order."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
             raise ValueError(f"t must be 2-D, got shape {tuple(t.shape)}")
+        if t.layout in (torch.sparse_coo, torch.sparse_csr):
+            if not t.is_floating_point():
+                raise TypeError(f"t must hold floating values (float16/bfloat16/float32/float64), got {t.dtype}")
+            if t.dense_dim() != 0:
+                raise ValueError(f"t must have 2 sparse dimensions and no dense ones, got a hybrid tensor with "
+                                 f"{t.dense_dim()} dense dimension(s)")
         if t.layout == torch.sparse_coo:
             return cls(t._indices(), t._values(), tuple(t.shape))
         if t.layout == torch.sparse_csr:

@@ -346,6 +346,33 @@ def test_topologies_are_checked_once():
     assert torch.equal(hand.indices, other)
 
 
+def test_scipy_conversions_share_nothing_with_their_source():
+    mat = sp.random(6, 7, density=0.5, format="csr", dtype=np.float32, random_state=1)
+    c = COO.from_scipy(mat)  # already row-major, float32: the case that could alias
+    before = (c.indices.clone(), c.values.clone())
+    mat.data[:] = 0
+    assert torch.equal(c.values, before[1])
+    exported = c.to_scipy()
+    exported.data[:] = 5
+    exported.row[:] = 0
+    assert torch.equal(c.indices, before[0]) and torch.equal(c.values, before[1])
+
+
+def test_conversions_name_a_bad_source():
+    with pytest.raises(ValueError, match="mat must be 2-D"):
+        COO.from_scipy(sp.coo_array(np.array([1.0, 0.0, 2.0])))
+    long = sp.coo_array(np.array([[1.5, 0], [0, 2]], dtype=np.longdouble))
+    assert torch.equal(COO.from_scipy(long, dtype=torch.float64).to_dense(),
+                       torch.tensor([[1.5, 0], [0, 2]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="t must have 2 sparse dimensions"):
+        COO.from_torch_sparse(torch.randn(3, 4).to_sparse(1))
+    for layout in ("coo", "csr"):
+        ints = torch.ones(3, 4, dtype=torch.int64)
+        ints = ints.to_sparse() if layout == "coo" else ints.to_sparse_csr()
+        with pytest.raises(TypeError, match="t must hold floating values"):
+            COO.from_torch_sparse(ints)
+
+
 def test_topology_arguments():
     idx = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"shape\[rows\] must be in"):
