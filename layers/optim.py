@@ -69,6 +69,23 @@ class _SnackAdamStep:
 
     _decoupled_default = False
 
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self.__dict__["_snack_shared"] = None  # (found again at the next step)
+
+    def _shares_memory(self) -> bool:
+        """Whether two of the parameters share memory (one given twice, two Parameters on one
+        storage): the kernel updates two parameters per launch at once, torch's step one after the
+        other, so those take torch's step. Found once per layout (`add_param_group` resets it)."""
+        shared = self.__dict__.get("_snack_shared")
+        if shared is None:
+            spans = sorted((p.untyped_storage().data_ptr(), p.storage_offset() * p.element_size(),
+                            (p.storage_offset() + p.numel()) * p.element_size())
+                           for g in self.param_groups for p in g["params"] if p.device.type != "meta" and p.numel())
+            shared = any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
+            self.__dict__["_snack_shared"] = shared
+        return shared
+
     def _group_ok(self, group: dict) -> bool:
         b1, b2 = group["betas"]
         if group.get("amsgrad", False) or group.get("maximize", False) or group.get("differentiable", False):
@@ -118,6 +135,8 @@ class _SnackAdamStep:
         if attrs.get("found_inf") is not None or attrs.get("grad_scale") is not None:
             # torch.amp.GradScaler with fused=True hands the step its scale and inf flag instead
             # of unscaling the gradients (torch's fused step skips on inf and unscales)
+            return None
+        if self._shares_memory():
             return None
         dev_type = False  # (found from the first parameter with a gradient)
         work = []
@@ -217,13 +236,15 @@ def _hooked_step(func):
     around them (`record_function`, ~7 us of host time per step); this one does so only while a
     profiler runs (or under torch.compile). A subclass that overrides step has its own step
     wrapped by torch, which runs the hooks; its super().step() then runs `func` alone."""
+    profiled = torch.optim.Optimizer.profile_hook_step(func)  # (made once: torch.compile guards on it)
+
     @functools.wraps(func)
     def step(*args, **kwargs):
         self = args[0]
         if type(self).step is not step:
             return func(*args, **kwargs)
         if _labelled():
-            return torch.optim.Optimizer.profile_hook_step(func)(*args, **kwargs)
+            return profiled(*args, **kwargs)
         for pre_hook in itertools.chain(_global_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
             result = pre_hook(self, args, kwargs)
             if result is not None:

@@ -170,6 +170,25 @@ def test_bad_arguments_are_torchs():
         snack.optim.AdamW(_model().parameters(), betas=(1.5, 0.9))
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_compiled_step_matches_torchs(name):
+    # torch.compile of step() (the hook wrapper is made once, so dynamo's guards on it hold)
+    torch.manual_seed(0)
+    a = _model()
+    b = copy.deepcopy(a)
+    oa = getattr(snack.optim, name)(a.parameters(), lr=0.01)
+    ob = getattr(torch.optim, name)(b.parameters(), lr=0.01)
+    step = torch.compile(oa.step, backend="eager")
+    x = torch.randn(4, a[0].in_features)
+    for _ in range(3):
+        for m, o, do in ((a, oa, step), (b, ob, ob.step)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            do()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 # ---- GPU -------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,kw", [("Adam", {}), ("Adam", {"weight_decay": 0.1}),

@@ -6,6 +6,7 @@ Not collected by a plain `pytest` run (the file name has no test_ prefix): the s
 switched on before numba.cuda is imported, so tests/test_gpu_simulator.py runs this file in a
 subprocess with NUMBA_ENABLE_CUDASIM=1."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -1058,6 +1059,29 @@ def test_snack_optimizer_kernel_path_matches_torch(name):
     fresh = getattr(torch.optim, name)(groups(twin), lr=0.01)
     fresh.load_state_dict(ours.state_dict())  # same layout: loads into torch's optimizer
     assert torch.equal(fresh.state[twin[0].values]["exp_avg"], sv["exp_avg"])
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+@pytest.mark.parametrize("alias", ["twice", "one storage"])
+def test_snack_optimizer_parameters_sharing_memory_take_torchs_step(name, alias):
+    # one launch updates two parameters at once: a parameter given twice, or two on one storage,
+    # would race there; they take torch's step, which updates them one after the other
+    import snack
+    runs = []
+    for mod in (snack.optim, torch.optim):
+        p = torch.nn.Parameter(torch.randn(40, generator=torch.Generator().manual_seed(4)))
+        params = [p, p] if alias == "twice" else [p, torch.nn.Parameter(p.data)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch warns of a duplicate parameter)
+            opt = getattr(mod, name)(params, lr=0.1, weight_decay=0.01)
+        for _ in range(4):
+            opt.zero_grad()
+            sum(q.sin().sum() for q in params).backward()
+            opt.step()
+        runs.append((p.detach().clone(), float(opt.state[p]["step"])))
+    (ours, steps), (theirs, their_steps) = runs
+    assert steps == their_steps
+    torch.testing.assert_close(ours, theirs)
 
 
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])
