@@ -39,7 +39,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
-from experiments.bench_kernels import copy_bandwidth, forward_floor_bytes, require_gpu, rel_err, run_metadata  # noqa: E402
+from experiments.bench_kernels import (copy_bandwidth, cusparse_csr, forward_floor_bytes,  # noqa: E402
+                                       require_gpu, rel_err, run_metadata)
 from experiments.cli import add_grid, grid, out_arg  # noqa: E402
 from experiments.results_io import write_csv  # noqa: E402
 
@@ -147,7 +148,7 @@ def main(argv=None):
         topo, v = coo.topology, coo.values
         W = coo.to_dense()
         M = (W != 0).float()
-        W_csr = W.to_sparse_csr()
+        W_csr = cusparse_csr(topo, v)
         for B in args.batch_list:
             x = torch.randn(B, args.n_in, device=dev)
             xT = x.t().contiguous()

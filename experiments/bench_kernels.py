@@ -5,7 +5,9 @@ For each shape (out x in), sparsity and batch B it checks every op against a flo
 (outputs poisoned with NaN first), then times the forward, dX, the SDDMM and the whole backward
 (dX and dv: `snack.gpu.spmm_t_sddmm`, fused from B = 9 to 32, and its two separate ops):
   - GPU time: CUDA-graph replay (triton.testing.do_bench_cudagraph), median;
-  - eager time as a user calls it (triton.testing.do_bench, L2 flushed), median;
+  - eager time (triton.testing.do_bench, L2 flushed), median: GPU time from the call's first to
+    its last kernel after the flush; host time shows only where it outlasts the flush kernel
+    queued before it (~60 us of GPU work), so the host-bound figure is the wall time below;
 and the HBM roofline fraction of the SNACK forward (bytes: 8 per non-zero for the int32 row and
 column plus the value's size, and B * (in + out) elements of X and Y: 12 * nnz + 4 * B * (in + out)
 in float32, 10 * nnz + 2 * B * (in + out) in float16 / bfloat16; over the measured copy bandwidth). Writes a tidy CSV (one row per op and method) with the GPU,
@@ -86,6 +88,17 @@ def forward_floor_bytes(nnz: int, batch: int, n_out: int, n_in: int, esize: int 
     return (8 + esize) * nnz + esize * batch * (n_in + n_out)
 
 
+#: the largest relative error (2-norm, against float64) a timed op may have: a point past it stops
+#: the run (nothing is timed for a wrong result)
+MAX_REL_ERR = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def cusparse_csr(topo, values: torch.Tensor) -> torch.Tensor:
+    """The pattern as a torch.sparse CSR tensor with int32 indices, the index width SNACK reads
+    (torch's `to_sparse_csr()` gives int64, which cuSPARSE reads more slowly)."""
+    return torch.sparse_csr_tensor(topo.row_ptr, topo.cols.contiguous(), values.detach(), topo.shape)
+
+
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     a = a.double()
     if not torch.isfinite(a).all():
@@ -152,7 +165,7 @@ def main(argv=None):
         _ = topo.row_ptr, topo.col_ptr, topo.col_perm, topo.rows_by_col  # build metadata once
         W = coo.to_dense()
         M = (W != 0).to(dtype)
-        W_csr = W.to_sparse_csr()
+        W_csr = cusparse_csr(topo, v)
         x = torch.randn(B, n_in, device=dev, dtype=dtype)
         dy = torch.randn(B, n_out, device=dev, dtype=dtype)
         xT = x.t().contiguous()
@@ -180,8 +193,13 @@ def main(argv=None):
         # and the two separate ops (the rows of method snack_separate)
         sdx, sdv = G.spmm_t_sddmm(dy, x, topo, v, fused=False)
         errs["backward_separate"] = max(rel_err(sdx, refs["dX"]), rel_err(sdv, refs["SDDMM"]))
+        errs["cusparse_csr"] = rel_err(torch.mm(W_csr, xT).t(), refs["forward"])  # the baseline's too
         del bdx, bdv, sdx, sdv
         del refs
+        bad = {k: e for k, e in errs.items() if k != "cusparse_csr" and not e <= MAX_REL_ERR.get(dtype, 1e-5)}
+        if bad:
+            raise SystemExit(f"wrong result at {shape}, sparsity {sp}, B = {B} (relative errors "
+                             f"{', '.join(f'{k} {e:.2e}' for k, e in bad.items())}): nothing timed")
         nnz = coo.nnz
         esize = v.element_size()
         floor_bytes = forward_floor_bytes(nnz, B, n_out, n_in, esize)
@@ -227,7 +245,8 @@ def main(argv=None):
                                  batch=B, nnz=nnz, op=op, method=method, graph_us=round(g_us, 3),
                                  eager_us=round(e_us, 3),
                                  rel_err=(errs["backward_separate"] if method == "snack_separate"
-                                          else errs[op] if method == "snack" else ""),
+                                          else errs[op] if method == "snack"
+                                          else errs["cusparse_csr"] if method == "cusparse_csr" else ""),
                                  roofline_frac=round(floor_bytes / bw / (g_us * 1e-6), 4)
                                  if (method == "snack" and op == "forward") else ""))
         W = M = W_csr = None  # freed before the next point's are made

@@ -32,8 +32,9 @@ It measures
                (torch.autograd.set_multithreading_enabled(False)) instead of autograd's
                worker thread for the GPU, where a Python backward (SNACK's) waits for the GIL
     infer      forward under torch.no_grad()
-as eager time (triton.testing.do_bench: median, L2 flushed; what a user's call costs,
-host overhead included), CUDA-graph time (the whole step captured in torch.cuda.graph, replays
+as eager time (triton.testing.do_bench: median, L2 flushed: the GPU time from the step's
+first to its last kernel after the flush; host time shows where it outlasts the ~60 us flush
+kernel queued before the step, as a training step's does), CUDA-graph time (the whole step captured in torch.cuda.graph, replays
 timed with triton.testing.do_bench_cudagraph, median: GPU time), peak memory of a step
 (torch.cuda.max_memory_allocated above what was allocated before the layer was built: weights,
 gradients, Adam state, input, output and temporaries; cuBLAS's one-off workspaces, one per
@@ -48,7 +49,8 @@ backend SNACK ran on, every figure and ratios vs dense and vs Dense+Mask; > 1 me
 uses less) and a JSON of the configuration beside it; prints a short table. Figures:
 experiments/plot_layer.py. About 3 minutes on the H200 at the default settings.
 Trade-off: a single isolated layer shows the kernels and the per-call overhead clearly but not
-a network's overlap of host and device work; the eager numbers carry that overhead in full.
+a network's overlap of host and device work; the eager numbers carry the overhead beyond the
+flush (for the forward alone, `bench_kernels.py`'s 1000-call wall time is the host-bound figure).
 On the CPU (--device cpu) timings are wall-clock medians and graph/memory/energy are blank.
 """
 from __future__ import annotations
@@ -162,15 +164,15 @@ def config_path(out) -> Path:
 
 # ---- the three layers ---------------------------------------------------------------------------
 class DenseMask(nn.Module):
-    """y = x @ (W * M).T + b with M fixed; the weight gradient is masked by a hook as well (what
-    a mask-based sparse training code does); W and M are dense (out, in)."""
+    """y = x @ (W * M).T + b with M fixed, the mask applied at every call; W and M are dense
+    (out, in). Autograd through W * M masks the weight gradient (dL/dW = dL/d(W*M) * M), as a
+    mask-based sparse training code needs: no second mask on the gradient."""
 
     def __init__(self, weight: torch.Tensor, mask: torch.Tensor, bias: Optional[torch.Tensor]):
         super().__init__()
         self.weight = nn.Parameter(weight * mask)
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
         self.register_buffer("mask", mask.to(weight.dtype))
-        self.weight.register_hook(lambda g: g * self.mask)
 
     def forward(self, x):
         return F.linear(x, self.weight * self.mask, self.bias)
@@ -185,7 +187,8 @@ class CuSparse(nn.Module):
         super().__init__()
         topo = snack_backend.get_topology(layer.indices, (layer.out_features, layer.in_features))
         dtype = amp or layer.values.dtype
-        self.w = torch.sparse_csr_tensor(topo.row_ptr.long(), topo.cols.long(),
+        # int32 indices, as SNACK reads them (cuSPARSE reads int64 ones more slowly)
+        self.w = torch.sparse_csr_tensor(topo.row_ptr, topo.cols.contiguous(),
                                          layer.values.detach().to(dtype, copy=True), topo.shape)
         self.bias = layer.bias.detach().to(dtype, copy=True) if layer.bias is not None else None
 
@@ -452,13 +455,16 @@ def measure(method: str, phase: str, B: int, ref: snack.SparseLinear, dense_w: t
                 expected = model(x)
             ok = check_graph(gr, out, expected)
             row["graph_check"] = "ok" if ok else "MISMATCH"
+            if not ok:  # a graph that does not compute the step: nothing of it is timed
+                raise RuntimeError("the replayed graph's output differs from the eager step's")
             row["graph_us"] = graph_us(fn, gr, args)
             row["energy_mj"], row["power_w"] = energy_per_step(gr, nvml, args.energy_seconds)
             if args.cold_l2:
                 row["graph_cold_us"] = graph_cold_us(fn)
             del gr, out
         except Exception as e:  # keep the other figures; say why in the CSV
-            row["graph_check"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+            if row.get("graph_check") != "MISMATCH":
+                row["graph_check"] = f"error: {type(e).__name__}: {str(e)[:120]}"
     del model, opt, fn, x, dy
     return row
 

@@ -82,6 +82,11 @@ def _rows(path: Path, of=KERNELS_OF) -> List[dict]:
         def shape(r):
             return f"{r['out_features']}x{r['in_features']}"
     want = "x".join(map(str, SHAPE))
+    for key in ("commit", columns[0]):  # one run per file: its rows are compared with each other
+        seen = sorted({r[key] for r in rows})
+        if len(seen) > 1:
+            raise SystemExit(f"{path} mixes runs ({key} {', '.join(seen)}): give {option} the CSV of one run "
+                             f"of experiments/{writer}")
     timed = [r for r in rows if r.get("op") != WALL]  # (bench_kernels writes WALL at 4096 x 4096 whatever its grid)
     if not any(shape(r) == want for r in timed):
         raise SystemExit(f"{path} has no rows at {want}, the shape the targets are stated at (it has "
@@ -101,7 +106,10 @@ class _Points:
     def __init__(self, rows, key, path: Path, what):
         self.t, self.path, self.what = defaultdict(dict), path, what
         for r in rows:
-            self.t[key(r)][r["method"]] = r
+            k = key(r)
+            if r["method"] in self.t[k]:
+                raise SystemExit(f"{path} has two {r['method']} rows at {what(k)}: one row per point and method")
+            self.t[k][r["method"]] = r
 
     def __contains__(self, key):
         return key in self.t
@@ -154,6 +162,11 @@ def kernel_checks(path: Path = KERNELS_CSV) -> List[Check]:
     time) and the 1000-call eager host-overhead test."""
     rows = _rows(path, KERNELS_OF)
     src = _source(path, rows[0], "gpu")
+    for r in rows:  # a wrong result's timings count for nothing
+        err = r.get("rel_err", "")
+        if r["method"] == "snack" and err != "" and r.get("dtype", "float32") == "float32" and not float(err) <= 1e-5:
+            raise SystemExit(f"{path}: SNACK's {r['op']} at sparsity {r['sparsity']}, B = {r['batch']} has a "
+                             f"relative error of {err}: its timings do not count")
     q = _kernel_points([r for r in rows if r["graph_us"]], path)
 
     def t(sp, B, op="forward"):
@@ -171,16 +184,31 @@ def kernel_checks(path: Path = KERNELS_CSV) -> List[Check]:
                             f"worst: {worst[1]:.0%}, B = {worst[2]})", worst[0], 0.5, src))
     wall = _kernel_points([r for r in rows if r["op"] == WALL], path)
     key = (0.9, 1, WALL)
-    if key in wall:
-        out.append(Check("kernels", "eager 90%, B = 1: 1000 calls, wall time x F.linear",
-                         wall.get(key, "dense", "eager_us") / wall.get(key, "snack", "eager_us"), 1.0, src))
+    out.append(Check("kernels", "eager 90%, B = 1: 1000 calls, wall time x F.linear",
+                     wall.get(key, "dense", "eager_us") / wall.get(key, "snack", "eager_us"), 1.0, src))
     return out
+
+
+def _layer_rows(path: Path, of) -> List[dict]:
+    """_rows of a bench_layer CSV, at the targets' sparsity (90%) and dtype (float32) only; one
+    line (SystemExit) where none is left, or where a replayed graph did not compute its step."""
+    rows = [r for r in _rows(path, of) if float(r.get("sparsity", 0.9)) == 0.9
+            and r.get("dtype", "float32") == "float32" and r.get("autocast", "off") in ("off", "")]
+    if not rows:
+        raise SystemExit(f"{path} has no rows at sparsity 0.9, float32 without autocast, the point the layer's "
+                         f"targets are stated at: give {of[2]} a CSV written by experiments/{of[1]}")
+    bad = [f"{r['method']} {r['phase']} B = {r['B']}" for r in rows
+           if r.get("graph_check", "ok") not in ("ok", "", "n/a")]
+    if bad:
+        raise SystemExit(f"{path}: the replayed graph failed its check for {', '.join(bad)} "
+                         "(graph_check): its timings do not count")
+    return rows
 
 
 def layer_checks(path: Path = LAYER_CSV) -> List[Check]:
     """The layer's targets at 4096 x 4096: its training step (forward + backward + Adam) and
     inference."""
-    rows = _rows(path, LAYER_OF)
+    rows = _layer_rows(path, LAYER_OF)
     src = _source(path, rows[0], "device_name")
     L = _layer_points(rows, path)
 
@@ -206,7 +234,7 @@ def kernel_cold_checks(path: Path = KERNELS_COLD_CSV) -> List[Check]:
 
 def layer_cold_checks(path: Path = LAYER_COLD_CSV) -> List[Check]:
     """The layer's speed-up targets read on the cold-L2 timings (`bench_layer.py --cold_l2`)."""
-    rows = _rows(path, LAYER_COLD_OF)
+    rows = _layer_rows(path, LAYER_COLD_OF)
     return _layer_speedups(_layer_points(rows, path), "graph_cold_us", _source(path, rows[0], "device_name"),
                            "cold L2, ")
 

@@ -120,6 +120,30 @@ def test_layer_targets_read_the_4096_rows_only(tmp_path):
     assert "no rows at 4096x4096" in msg and "512x1024" in msg and "--layer-csv" in msg
 
 
+def test_rows_that_cannot_count_are_refused(tmp_path):
+    """Two runs in one file, a point timed twice, a wrong SNACK result, a graph that failed its
+    check, missing 1000-call rows: one line each, never a target read from them."""
+    k = targets._rows(targets.KERNELS_CSV)
+    with open(targets.LAYER_CSV, newline="") as f:
+        lay = list(csv.DictReader(f))
+    cases = [
+        (targets.kernel_checks, k + [dict(k[0], commit="abc1234")], "mixes runs (commit"),
+        (targets.kernel_checks, k + [dict(k[0])], "two snack rows at sparsity"),
+        (targets.kernel_checks, [dict(r, rel_err="0.5") if r["method"] == "snack" and r["rel_err"] else r
+                                 for r in k], "relative error of 0.5"),
+        (targets.kernel_checks, [r for r in k if r["op"] != targets.WALL], "forward_1000_calls_wall"),
+        (targets.layer_checks, [dict(r, graph_check="MISMATCH") if r["method"] == "densemask" else r
+                                for r in lay], "densemask train B = 1"),
+        (targets.layer_checks, [dict(r, sparsity="0.99") for r in lay], "no rows at sparsity 0.9"),
+    ]
+    for i, (fn, rows, want) in enumerate(cases):
+        msg = one_line_exit(fn, _write(tmp_path / f"c{i}.csv", rows))
+        assert want in msg, (i, msg)
+    # rows at another sparsity beside the 90% ones are left out
+    mixed = targets.layer_checks(_write(tmp_path / "sp.csv", lay + [dict(r, sparsity="0.99", peak_mb="1") for r in lay]))
+    assert [(c.name, c.value) for c in mixed] == [(c.name, c.value) for c in targets.layer_checks()]
+
+
 def test_cli_refuses_csvs_it_cannot_read_in_one_line(tmp_path, capsys):
     """A missing file, another script's CSV, an empty or header-only file, a binary file, a
     non-cold CSV with --cold, a CSV without a target point: one line each, no traceback."""
