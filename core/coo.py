@@ -331,6 +331,9 @@ class COO:
         shape:   (rows, cols).
         check:   validate dtype/shape/range/duplicates and sort (default). Pass False only for
                  indices known to be canonical int32 (a hot path); nothing is checked then.
+        topology: an existing `Topology` to share (`indices` and `shape` are then not read;
+                 with check=True `values` is checked against it, and its index range, not its
+                 order); for conversions that keep one topology for several value tensors.
     Raises ValueError/TypeError naming the argument for a bad shape, dtype, device, an index out
     of range or a duplicated coordinate.
     """

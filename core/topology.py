@@ -70,7 +70,13 @@ def sample_distinct(n: int, k: int, g: torch.Generator) -> torch.Tensor:
 def uniform_indices(shape: Tuple[int, int], *, density: Optional[float] = None,
                     nnz: Optional[int] = None, generator: Optional[torch.Generator] = None,
                     seed: Optional[int] = None) -> torch.Tensor:
-    """int32 (2, nnz) indices, row-major sorted, distinct, uniform over all coordinates (CPU)."""
+    """int32 (2, nnz) indices, row-major sorted, distinct, uniform over all coordinates (CPU).
+
+    shape: (rows, cols); density (fraction of the coordinates, rounded to a count) or nnz (the
+    count): exactly one of them; generator (a CPU torch.Generator) or seed (an int): at most one,
+    by default a seed drawn from torch's global generator (torch.manual_seed repeats it)."""
+    if generator is not None and seed is not None:
+        raise ValueError("give seed or generator, not both")
     rows, cols = _check_shape(shape)
     k = density_to_nnz((rows, cols), density, nnz)
     g = generator if generator is not None else torch.Generator().manual_seed(

@@ -1,17 +1,17 @@
 """Launchers for the SNACK-COO kernels: validate, allocate, pick the variant and grid, launch.
 
-    spmm(x, topo, values, out=None, bias=None)   Y (B, out) = X W^T (+ bias)   x (B, in)
+    spmm(x, topo, values, out=None, *, bias=None)   Y (B, out) = X W^T (+ bias)   x (B, in)
     spmm_t(dy, topo, values, out=None)  dX (B, in) = dY W           dy (B, out)
     sddmm(dy, x, topo, out=None)        dv (nnz,), dv_k = sum_b dY[b, r_k] X[b, c_k]
-    sddmm(dy, x, topo, bias_grad=True)  (dv, db): also db (out,) = sum_b dY[b, :] (same launch)
-    spmm_t_sddmm(dy, x, topo, values, bias_grad=False)   (dX, dv[, db]): the whole backward, one
+    sddmm(dy, x, topo, *, bias_grad=True)  (dv, db): also db (out,) = sum_b dY[b, :] (same launch)
+    spmm_t_sddmm(dy, x, topo, values, *, bias_grad=False)   (dX, dv[, db]): the whole backward, one
                                         fused launch where `fuses_backward` says so (9 <= B <= 32, density <= 25 %), else spmm_t and sddmm
 W is the (out, in) matrix of `topo` (a snack.core.Topology on the same device, canonical
 row-major) with `values` (nnz,) in that order. x, dy, values: float32, float16 or bfloat16, one
 dtype per call, on one CUDA device (CPU tensors under the Numba simulator); results have the
 inputs' dtype, accumulated in fp32. Mixed precision: with float16 / bfloat16 x or dy, `values`
 (and `bias`) may be float32 in spmm, spmm_t and spmm_t_sddmm (`MIXED_VALUES`; fp32 weights read
-as they are, which `snack.sparse_linear` does under torch.autocast on the GPU); results keep x's
+as they are, which `snack.functional.sparse_linear` does under torch.autocast on the GPU); results keep x's
 or dy's dtype, dv and db included. Launches go to torch's current stream (graph-capturable).
 
 Variant choice: the batch tile BT is the smallest power of two >= B, at most 8; for BT = 4 and 8
@@ -28,7 +28,10 @@ with atomics across chunks by default) are taken where they measured faster (`WI
 SpMMs from B = 32 (the transposed one from B = 17) at >= 3 % density with >= 150 K non-zeros below
 B = 64, and from B = 96 at any;
 the SDDMM from B = 16 at >= 3 % and from B = 32) or when asked (`wide=True`; `chunks=` and
-`split=` shape the 32-wide kernels wherever they run, and are ignored by the batch-tiled ones);
+`split=` shape the 32-wide kernels wherever they run, and are ignored by the batch-tiled ones;
+`bt=` forces the batch tile of the tiled kernels and `threads=` the block size: keyword-only
+tuning options, the defaults choose; `out=` takes a preallocated result of the right shape,
+dtype and device that shares no memory with an input);
 their column chunks are as wide as shared memory allows, or at most
 `WIDE_CHUNK_COLS` columns for B <= 64 when several chunks are needed anyway; where rows hold
 fewer than `WIDE_ROWS4_BELOW` non-zeros per chunk on average, each group of 8 lanes takes a row

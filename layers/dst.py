@@ -804,8 +804,9 @@ class RigL(DynamicSparseTraining):
 
     Args: as `DynamicSparseTraining`, plus
         grad_block_numel: the most (out, in) grid entries scored at once (default 2**21).
-    The hooks see eager calls only (not a replayed CUDA graph or a compiled region); a layer
-    that produced no gradient before an update step is left unchanged, with a warning.
+    The capture runs eagerly, also inside a compiled model on update steps (a graph break there,
+    so not with `fullgraph=True`); a replayed CUDA graph is not seen. A layer that produced no
+    gradient before an update step is left unchanged, with a warning.
     """
 
     needs_gradient = True

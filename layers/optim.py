@@ -21,7 +21,8 @@ The step is capturable in a CUDA graph whatever `capturable` says (the step coun
 parameters' device), as long as the state exists before capture (one eager step), as with
 torch's optimizers. The hyper-parameters are read at every eager step (learning-rate schedulers
 work as with torch's); a captured graph replays those of the step it captured. Anything the kernel does not cover (CPU or non-float32 parameters, sparse
-gradients, amsgrad, maximize, differentiable, a tensor learning rate) makes `step()` run torch's
+gradients, amsgrad, maximize, differentiable, a tensor learning rate, parameters that share
+memory) makes `step()` run torch's
 own implementation for that call, with the same results; so do steps under torch.amp.GradScaler
 with `fused=True` (the scaler then passes its scale and inf flag to the step).
 """

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import snack
 
@@ -33,7 +32,7 @@ def test_readme_python_examples_run_and_do_what_they_say():
     # what the DST loop takes from its context: a loader of MNIST-shaped batches, 101 of them so
     # that the 100th step is an update step
     loader = [(torch.randn(8, 784), torch.randint(0, 10, (8,))) for _ in range(101)]
-    ns = {"F": F, "loader": loader}
+    ns = {"loader": loader}  # (F: the first block imports it)
     blocks = _python_blocks()
 
     def run(i):

@@ -186,3 +186,10 @@ def test_numbers_of_any_kind_and_nan_rejected():
     assert erk_densities([(4, 5), (6, 7)], np.float32(0.5)) == erk_densities([(4, 5), (6, 7)], 0.5)
     with pytest.raises(ValueError, match="sparsity"):
         erk_densities([(4, 5)], float("nan"))
+
+
+def test_seed_and_generator_are_not_both_taken():
+    with pytest.raises(ValueError, match="give seed or generator, not both"):
+        uniform_indices((5, 6), nnz=4, seed=1, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(uniform_indices((5, 6), nnz=4, seed=1),
+                       uniform_indices((5, 6), nnz=4, generator=torch.Generator().manual_seed(1)))
