@@ -50,6 +50,24 @@ def _check_shape(shape) -> Tuple[int, int]:
     return out[0], out[1]
 
 
+def _byte_range(t: torch.Tensor):
+    """(first byte, end byte) of the memory t's elements may touch, or None when t is empty."""
+    if t.numel() == 0:
+        return None
+    if t.is_contiguous():
+        extent = t.numel()
+    else:
+        extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + extent * t.element_size()
+
+
+def _span(t: torch.Tensor):
+    """(storage address, first byte, end byte) of the memory t's elements may touch."""
+    r = _byte_range(t)
+    return None if r is None else (t.untyped_storage().data_ptr(), *r)
+
+
 def check_device(device, name: str = "device") -> Optional[torch.device]:
     """`device` (None, a torch.device, a string or an index) as a torch.device; TypeError/ValueError
     naming `name` where it is not one, or is a CUDA device that torch cannot reach."""

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 from experiments.cli import comma_list, fill_unset, out_arg, shape_arg  # noqa: E402
-from experiments.results_io import git_commit, write_csv  # noqa: E402
+from experiments.results_io import MAX_REL_ERR, git_commit, write_csv  # noqa: E402
 
 DEFAULT_SHAPES = ["4096x4096", "2304x768", "768x768", "3072x768", "768x3072"]
 # the grid, and what --quick takes instead for each option not given on the command line
@@ -86,11 +86,6 @@ def forward_floor_bytes(nnz: int, batch: int, n_out: int, n_in: int, esize: int 
     """Bytes SNACK's forward must move at least: an int32 row and column and a value per
     non-zero, and X and Y once (the roofline's numerator)."""
     return (8 + esize) * nnz + esize * batch * (n_in + n_out)
-
-
-#: the largest relative error (2-norm, against float64) a timed op may have: a point past it stops
-#: the run (nothing is timed for a wrong result)
-MAX_REL_ERR = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 def cusparse_csr(topo, values: torch.Tensor) -> torch.Tensor:
@@ -196,7 +191,7 @@ def main(argv=None):
         errs["cusparse_csr"] = rel_err(torch.mm(W_csr, xT).t(), refs["forward"])  # the baseline's too
         del bdx, bdv, sdx, sdv
         del refs
-        bad = {k: e for k, e in errs.items() if k != "cusparse_csr" and not e <= MAX_REL_ERR.get(dtype, 1e-5)}
+        bad = {k: e for k, e in errs.items() if k != "cusparse_csr" and not e <= MAX_REL_ERR[args.dtype]}
         if bad:
             raise SystemExit(f"wrong result at {shape}, sparsity {sp}, B = {B} (relative errors "
                              f"{', '.join(f'{k} {e:.2e}' for k, e in bad.items())}): nothing timed")

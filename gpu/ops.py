@@ -71,7 +71,7 @@ from typing import Optional
 
 import torch
 
-from snack.core.coo import REBUILD, Topology, check_topology
+from snack.core.coo import REBUILD, Topology, _byte_range, check_topology
 from . import kernels
 from .launch import (BoundLaunch, as_kernel_array, device_properties, launch_mode, build_persistent,
                      zero, clusters_supported, max_active_clusters)
@@ -118,24 +118,6 @@ def _check_values(values, nnz: int, dtype, dev: torch.device):
         raise TypeError(f"values has dtype {values.dtype} but the dense operand has {dtype} "
                         "(values must have its dtype, or be float32 with a float16/bfloat16 operand)")
     _check_device("values", values, dev)
-
-
-def _byte_range(t: torch.Tensor):
-    """(first byte, end byte) of the memory t's elements may touch, or None when t is empty."""
-    if t.numel() == 0:
-        return None
-    if t.is_contiguous():
-        extent = t.numel()
-    else:
-        extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
-    start = t.data_ptr()
-    return start, start + extent * t.element_size()
-
-
-def _span(t: torch.Tensor):
-    """(storage address, first byte, end byte) of the memory t's elements may touch."""
-    r = _byte_range(t)
-    return None if r is None else (t.untyped_storage().data_ptr(), *r)
 
 
 def _shares(a: torch.Tensor, ra, b: torch.Tensor, rb) -> bool:

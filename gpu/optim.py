@@ -20,9 +20,10 @@ from typing import Sequence
 
 import torch
 
+from snack.core.coo import _span
 from . import kernels
 from .launch import BoundLaunch, device_properties, launch_mode
-from .ops import _check_flag, _span, dummy_array, overlaps
+from .ops import _check_flag, dummy_array, overlaps
 
 __all__ = ["adam_step", "adam_steps"]
 

@@ -37,6 +37,8 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post_hooks
 from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre_hooks
 
+from snack.core.coo import _span
+
 __all__ = ["Adam", "AdamW"]
 
 
@@ -80,9 +82,9 @@ class _SnackAdamStep:
         other, so those take torch's step. Found once per layout (`add_param_group` resets it)."""
         shared = self.__dict__.get("_snack_shared")
         if shared is None:
-            spans = sorted((p.untyped_storage().data_ptr(), p.storage_offset() * p.element_size(),
-                            (p.storage_offset() + p.numel()) * p.element_size())
-                           for g in self.param_groups for p in g["params"] if p.device.type != "meta" and p.numel())
+            spans = sorted(s for g in self.param_groups for p in g["params"]
+                           if p.device.type != "meta" and (s := _span(p)) is not None)
+            # (sorted by start, any two that meet leave two neighbours that meet)
             shared = any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
             self.__dict__["_snack_shared"] = shared
         return shared
