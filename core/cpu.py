@@ -44,8 +44,13 @@ a topology is checked once (range, canonical order) before the unchecked kernels
 
 Trade-off: the X^T / dY^T copies cost B x (in + out) element moves per call (plus padding to
 the tile width), small against the nnz x B multiply-adds at the sparsities this is for, and
-they buy contiguous, register-blocked inner loops. float32 and float64 are computed natively;
-float16 and bfloat16 are computed in float32 and rounded once at the end. Kernels are compiled
+they buy contiguous, register-blocked inner loops. Where they are not small (a batch of 2-7
+samples, padded to 8, and at least nnz / 8 elements to copy per padded sample: a very wide
+layer with few non-zeros per column, `_lopsided`), the forward and the SDDMM read X and dY as
+they are, as up to 3 samples do. (dX keeps its tiles there: a tile of 8 costs it about what 8
+single samples do, and scattering one sample at a time measured 0.5-1.6x its time at B = 2-7.)
+float32 and float64 are computed natively; float16 and bfloat16 are computed in float32 and
+rounded once at the end. Kernels are compiled
 on first use (about 27 s for both dtypes on 2 cores) and cached on disk (Numba's cache, with
 loads and saves under a lock file: `core/jit.py`): one specialisation per op and dtype. Helpers
 are left to LLVM's inliner, except four that Numba inlines at its IR level (`inline="always"`):
@@ -330,6 +335,17 @@ _LANES = 8  # non-zeros per step of the gathering kernels (one 8-wide gather of 
 _FEW_MAX = 3
 
 
+def _lopsided(B: int, m: int, nnz: int) -> bool:
+    """Whether a batch narrower than the first tile (2 <= B < 8, zero-padded to 8) is better read
+    as it is, by gathers per sample, than copied into tiles: where the copy, m elements per padded
+    batch column (in for the forward, in + out for the SDDMM), would move at least as many
+    elements as the gathers read (nnz x B). Layers with a very wide input and few non-zeros per
+    input, such as 1 x 200000 at 50%: there B = 4 took 2.6 ms for the forward through a tile
+    against 0.2 ms by gathers (2 cores; 4096 x 4096 at 90-99% keeps its tiles, which are 1.7-2.2x
+    faster there at B = 4)."""
+    return 1 < B < _WIDTHS[0] and m * _WIDTHS[0] >= nnz * B
+
+
 @njit(fastmath={"contract"}, inline="always")
 def _rows_few(r0, r1, ptr, idx, vals, x, dst):
     """dst[j, r] = <row r, x[j]> for the few rows j of x (B <= _FEW_MAX, X as it is, rows
@@ -356,8 +372,8 @@ def _rows_few(r0, r1, ptr, idx, vals, x, dst):
 
 @njit_cached(parallel=True, nogil=True)
 def _spmm_few_kernel(split, ptr, idx, vals, x, dst, parallel):
-    """Y = X W^T for B <= _FEW_MAX: x = X (B, in) rows contiguous, dst = Y (B, out); tasks = row
-    chunks."""
+    """Y = X W^T for B <= _FEW_MAX (or a `_lopsided` batch): x = X (B, in) rows contiguous, dst =
+    Y (B, out); tasks = row chunks."""
     if parallel:
         for ch in prange(split.shape[0] - 1):
             _rows_few(split[ch], split[ch + 1], ptr, idx, vals, x, dst)
@@ -651,10 +667,10 @@ def _sddmm_task(ch, split, ptr, idx, dyt, xt, n_in, dv, plan):
 
 @njit
 def _sddmm_few_rows(r0, r1, ptr, idx, dy, x, dv):
-    """dv_k = sum_j dy[j, r_k] x[j, c_k] for the few samples j (B <= _FEW_MAX; dy, x as they
-    are, rows contiguous), 8 non-zeros per step by gathers of x[j]. The products are added as
-    the 8-wide tile's tree adds them (B = 2: p0 + p1, B = 3: (p0 + p2) + p1), so the bits are
-    those of the tiled kernel."""
+    """dv_k = sum_j dy[j, r_k] x[j, c_k] for the few samples j (B <= _FEW_MAX, or a `_lopsided`
+    batch; dy, x as they are, rows contiguous), 8 non-zeros per step by gathers of x[j]. Up to
+    B = 3 the products are added as the 8-wide tile's tree adds them (B = 2: p0 + p1, B = 3:
+    (p0 + p2) + p1), so the bits are those of the tiled kernel; above, in sample order."""
     B = x.shape[0]
     x0 = x[0]
     for r in range(r0, r1):
@@ -678,7 +694,7 @@ def _sddmm_few_rows(r0, r1, ptr, idx, dy, x, dv):
             while k < k1:
                 dv[k] = g0 * x0[idx[k]] + g1 * x1[idx[k]]
                 k += 1
-        else:
+        elif B == 3:
             x1 = x[1]
             x2 = x[2]
             g1 = dy[1, r]
@@ -693,11 +709,27 @@ def _sddmm_few_rows(r0, r1, ptr, idx, dy, x, dv):
                 p02 = g0 * x0[c] + g2 * x2[c]
                 dv[k] = p02 + g1 * x1[c]
                 k += 1
+        else:  # a `_lopsided` batch (4 to 7 samples): the products added sample by sample
+            while k + _LANES <= k1:
+                iv = _vload(idx, k, _LANES)
+                acc = _vscale(_vgather(x0, iv), g0)
+                for j in range(1, B):
+                    acc = _vadd(acc, _vscale(_vgather(x[j], iv), dy[j, r]))
+                _vstore(dv, k, acc)
+                k += _LANES
+            while k < k1:
+                c = idx[k]
+                s = g0 * x0[c]
+                for j in range(1, B):
+                    s += dy[j, r] * x[j, c]
+                dv[k] = s
+                k += 1
 
 
 @njit_cached(parallel=True, nogil=True)
 def _sddmm_few_kernel(split, ptr, idx, dy, x, dv, parallel):
-    """dv for B <= _FEW_MAX from dy (B, out) and x (B, in) as they are; tasks = row chunks."""
+    """dv for B <= _FEW_MAX (or a `_lopsided` batch) from dy (B, out) and x (B, in) as they are;
+    tasks = row chunks."""
     if parallel:
         for ch in prange(split.shape[0] - 1):
             _sddmm_few_rows(split[ch], split[ch + 1], ptr, idx, dy, x, dv)
@@ -1087,7 +1119,7 @@ def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor,
         return res
     if x.shape[1] == 0 or topo.nnz == 0:
         return res.zero_()
-    if shape[0] <= _FEW_MAX:  # X as it is, gathers per sample
+    if shape[0] <= _FEW_MAX or _lopsided(shape[0], x.shape[1], topo.nnz):  # X as it is, gathers per sample
         n = _threads(topo.nnz * shape[0])
         split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
         with torch.no_grad(), _parallel_lock(n):
@@ -1172,17 +1204,22 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology,
         return res.zero_()
     plan, width = _plan(dy.shape[0])
     # the few-sample path reads B values per non-zero, the tiled one a padded tile's width
-    n = _threads(topo.nnz * (dy.shape[0] if dy.shape[0] <= _FEW_MAX else width))
+    n = _threads(topo.nnz * (dy.shape[0] if _sddmm_gathers(dy.shape[0], topo) else width))
     with torch.no_grad(), _parallel_lock(n):
         _sddmm_run(dy, x, None, topo, cdtype, plan, width, n, buf)
     return _finish(res, buf)
+
+
+def _sddmm_gathers(B: int, topo: Topology) -> bool:
+    """Whether the SDDMM reads dY and X as they are (see _FEW_MAX and _lopsided)."""
+    return B <= _FEW_MAX or _lopsided(B, sum(topo.shape), topo.nnz)
 
 
 def _sddmm_run(dy, x, gsrc, topo: Topology, cdtype, plan, width: int, n: int, buf: torch.Tensor) -> None:
     """dv into buf (nnz,) from dy and x: B <= _FEW_MAX from them as they are, else from their
     tiles (gsrc: dY's, if already made); under _parallel_lock(n)."""
     split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
-    if dy.shape[0] <= _FEW_MAX:
+    if _sddmm_gathers(dy.shape[0], topo):
         _sddmm_few_kernel(split, ptr, idx, _rows(dy, cdtype), _rows(x, cdtype), buf.detach().numpy(), n > 1)
         return
     if gsrc is None:

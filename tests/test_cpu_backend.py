@@ -331,6 +331,36 @@ def test_sddmm_of_a_few_samples_has_the_tiled_kernels_bits(gen, mode, monkeypatc
             assert_close_dtype(got, sddmm_reference(dy.double(), x.double(), coo.indices))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_lopsided_batches_gather_and_match_the_reference(gen, mode, dtype):
+    """A batch of 2-7 samples on a very wide layer with few non-zeros per input (`_lopsided`: the
+    copy into a padded tile would move more than the gathers read) takes the gathering forward and
+    SDDMM: each output row has the bits of that sample's B = 1 call, the one-call backward gives the
+    SDDMM's bits, and all three ops match float64 within rounding, for inputs of any strides. A
+    square layer at the same batch keeps its tiles."""
+    n_out, n_in = 3, 700
+    coo = COO.random((n_out, n_in), density=0.05, generator=gen, dtype=dtype)  # ~105 non-zeros
+    t, v = coo.topology, coo.values
+    for B in range(2, 8):
+        assert cpu._lopsided(B, n_in, t.nnz) and cpu._lopsided(B, n_in + n_out, t.nnz), B
+        base = torch.randn(B, n_in + 5, generator=gen).to(dtype)
+        dy = torch.randn(B, n_out, generator=gen).to(dtype)
+        y_ref, dx_ref, dv_ref = references(coo, base[:, :n_in], dy)
+        for x in (base[:, :n_in], base[:, 5:].t().contiguous().t()):
+            y = cpu.spmm(x, t, v, out=torch.full((B, n_out), float("nan"), dtype=dtype))
+            for j in range(B):
+                assert torch.equal(y[j], cpu.spmm(x[j:j + 1].clone(), t, v)[0]), (B, j, x.stride())
+            dv = cpu.sddmm(dy, x, t, out=torch.full((t.nnz,), float("nan"), dtype=dtype))
+            dx2, dv2, db = cpu.spmm_t_sddmm(dy, x, t, v, bias_grad=True)
+            assert torch.equal(dv2, dv) and torch.equal(dx2, cpu.spmm_t(dy, t, v))
+            assert_close_dtype(y, spmm_reference(x.double(), coo.indices, v.double(), n_out))
+            assert_close_dtype(dv, sddmm_reference(dy.double(), x.double(), coo.indices))
+            assert_close_dtype(dx2, dx_ref)
+            assert torch.equal(db, dy.sum(0))
+    assert not cpu._lopsided(4, 64, 64 * 64 // 10) and not cpu._lopsided(8, 200000, 10)
+    assert not cpu._lopsided(1, 200000, 10)
+
+
 def test_parallel_threshold():
     """A large call is split into parallel tasks, a small one runs on the calling thread."""
     if torch.get_num_threads() < 2:
