@@ -8,11 +8,12 @@ densities are uniform (every layer at `sparsity`) or ERK (RigL: density proporti
 replaced (shapes, densities, parameters and bytes before and after) is kept in `last_summary`
 and returned with `summary=True`; printing it gives a table.
 Trade-off: selection by magnitude needs the dense weights (they exist already); layers whose
-weight is shared with another module (tied embeddings, e.g. GPT-2's lm_head) and the output
-projection inside nn.MultiheadAttention (which reads `.weight` directly) are left dense and
-listed as skipped, because replacing them would silently untie or break them. So are, with a
-warning, subclasses of nn.Linear with a forward of their own, modules with hooks and modules
-with a parametrized weight (replacing them would drop that behaviour). nn.TransformerEncoder
+weight or bias is shared with another module (tied embeddings, e.g. GPT-2's lm_head) and the
+output projection inside nn.MultiheadAttention (which reads `.weight` directly) are left dense
+and listed as skipped, because replacing them would silently untie or break them. So are, with
+a warning, subclasses of nn.Linear with a forward of their own, modules with hooks (forward,
+backward, state-dict) or a forward replaced on the instance, and modules with a parametrized
+weight or bias (replacing them would drop that behaviour). nn.TransformerEncoder
 (Layer)s whose feed-forward layers were replaced leave their inference fast path (which reads
 the dense weights) and run their ordinary forward.
 """
@@ -116,7 +117,7 @@ class SparsifySummary:
 
 def _is_conv1d(m: nn.Module) -> bool:
     t = type(m)
-    return t.__name__ == "Conv1D" and "transformers" in (t.__module__ or "")
+    return t.__name__ == "Conv1D" and (t.__module__ or "").split(".")[0] in ("transformers", "pytorch_transformers")
 
 
 def _dense_of(m: nn.Module):
@@ -135,20 +136,25 @@ def _unsafe_to_replace(m: nn.Module, action: str = "sparsify") -> str:
     computes, or "" if it is safe: a lazy module not yet initialized (nn.LazyLinear before its
     first forward: no weight to keep), a subclass of nn.Linear with a forward of its own (its extra
     behaviour would be lost), hooks registered on the module (they would stay behind on the
-    replaced one) or a parametrized weight (torch.nn.utils.parametrize, weight_norm,
-    spectral_norm)."""
+    replaced one: forward, backward and state-dict hooks, or a forward replaced on the instance)
+    or a parametrized weight or bias (torch.nn.utils.parametrize, weight_norm, spectral_norm)."""
     t = type(m)
     if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
         return f"{t.__name__} is not initialized yet (run a forward pass before {action})"
     if isinstance(m, nn.Linear) and t.forward is not nn.Linear.forward:
         return f"{t.__name__} subclasses nn.Linear with a forward of its own"
-    hooks = [k for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    if getattr(m, "parametrizations", None) is not None:
+        return (f"its {' and '.join(m.parametrizations.keys()) or 'tensors'} "
+                f"{'are' if len(m.parametrizations) > 1 else 'is'} parametrized (torch.nn.utils.parametrize)")
+    if "forward" in vars(m):
+        return "its forward is replaced on the instance (a wrapper such as accelerate's hooks)"
+    hooks = [k for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                         "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                         "_load_state_dict_post_hooks")
              if getattr(m, k, None)]
     if hooks:
         return (f"has hooks ({', '.join(h.strip('_').replace('_', ' ') for h in hooks)}); register them "
                 f"after {action}")
-    if getattr(m, "parametrizations", None) is not None:
-        return "its weight is parametrized (torch.nn.utils.parametrize)"
     return ""
 
 
@@ -190,9 +196,10 @@ def _restore_transformer_fast_path(model: nn.Module) -> None:
             delattr(m, _FAST_PATH_KEPT)
 
 
-def _as_patterns(name: str, p) -> List[Pattern]:
+def _as_patterns(name: str, p) -> Optional[List[Pattern]]:
+    """None for None (no filter), else the list of patterns (an empty one matches nothing)."""
     if p is None:
-        return []
+        return None
     if isinstance(p, str) or callable(p):
         return [p]
     if isinstance(p, (Sequence, set, frozenset)):
@@ -214,16 +221,17 @@ def _matches(patterns: List[Pattern], name: str, module: nn.Module) -> bool:
     return False
 
 
-def _selected(inc: List[Pattern], exc: List[Pattern], names: List[str], m: nn.Module) -> bool:
-    """A module reachable by `names` passes include (if given) and no exclude pattern."""
-    return not ((inc and not any(_matches(inc, n, m) for n in names))
+def _selected(inc: Optional[List[Pattern]], exc: Optional[List[Pattern]], names: List[str], m: nn.Module) -> bool:
+    """A module reachable by `names` passes include (if given: an empty include passes nothing)
+    and no exclude pattern."""
+    return not ((inc is not None and not any(_matches(inc, n, m) for n in names))
                 or (exc and any(_matches(exc, n, m) for n in names)))
 
 
 def _warn_unmatched(fn: str, inc: List[Pattern], exc: List[Pattern], names: List[str], what: str) -> None:
     """One warning per include / exclude name pattern that matches none of the candidate names."""
     for label, patterns in (("include", inc), ("exclude", exc)):
-        for q in patterns:
+        for q in patterns or ():
             if isinstance(q, str) and not any(fnmatch.fnmatchcase(n, q) for n in names):
                 warnings.warn(f"{fn}: the {label} pattern {q!r} matches no {what} module "
                               f"(their names: {', '.join(names[:8]) or 'none'}"
@@ -301,8 +309,10 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
         if not _selected(inc, exc, names, m):
             continue
         kind, w, b = d
-        if len(owners.get(id(getattr(m, "weight")), ())) > 1:
-            report.skipped.append((name, "weight shared with another module (tied)"))
+        tied = [k for k in ("weight", "bias") if isinstance(getattr(m, k, None), torch.Tensor)
+                and len(owners.get(id(getattr(m, k)), ())) > 1]
+        if tied:
+            report.skipped.append((name, f"{' and '.join(tied)} shared with another module (tied)"))
             continue
         if isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear):
             report.skipped.append((name, "output projection of nn.MultiheadAttention (reads .weight)"))
@@ -323,19 +333,27 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
 
     shapes = [tuple(w.shape) for _, _, _, w, _ in chosen]
     if distribution == "erk":
+        for (name, _, _, w, _), shape in zip(chosen, shapes):
+            if 0 in shape:  # (erk_densities would refuse it without the module's name)
+                raise ValueError(f"sparsify: module '{name}': its weight (out, in) = {shape} has no entries")
         densities = erk_densities(shapes, sparsity) if shapes else []
     else:
         densities = [1.0 - sparsity] * len(shapes)
 
     replaced = {}
+    empty = []  # modules left without a connection (rounding at a sparsity near 1)
     for (name, m, kind, w, b), dens in zip(chosen, densities):
         dens = min(1.0, max(0.0, float(dens)))
         layer_sparsity = min(1.0 - dens, 1.0 - 1e-12)   # density 0 -> nnz 0
         with torch.no_grad():
             try:
-                new = SparseLinear.from_dense(w.detach(), sparsity=layer_sparsity)
+                with warnings.catch_warnings():  # warned below, once, with the modules' names
+                    warnings.filterwarnings("ignore", message="SparseLinear .* holds no connection")
+                    new = SparseLinear.from_dense(w.detach(), sparsity=layer_sparsity)
             except ValueError as e:  # (the model is not changed: modules are replaced after the loop)
                 raise ValueError(f"sparsify: module '{name}': {e}") from e
+            if new.nnz == 0:
+                empty.append(f"{name} ({w.shape[1]} -> {w.shape[0]})")
             if b is not None:
                 new.bias = nn.Parameter(b.detach().clone(), requires_grad=b.requires_grad)
         new.values.requires_grad_(getattr(m, "weight").requires_grad)
@@ -354,6 +372,9 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
     result = _replace(model, replaced)
     if result is model:
         _leave_transformer_fast_path(model)
+    if empty:
+        warnings.warn(f"sparsify: at sparsity {sparsity} ({distribution}) these layers hold no connection, so their "
+                      "output is the bias alone and no weight will train: " + ", ".join(empty), stacklevel=2)
     last_summary = report
     sparsify.last_summary = report  # also reachable as snack.sparsify.last_summary
     return (result, report) if summary else result

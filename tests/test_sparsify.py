@@ -138,9 +138,11 @@ def test_conv1d_outside_transformers_is_ignored():
             super().__init__()
             self.weight = nn.Parameter(torch.randn(4, 4))
 
-    model = nn.Sequential(Conv1D(), nn.Linear(4, 4))
-    sparsify(model, 0.5)
-    assert isinstance(model[0], Conv1D) and isinstance(model[1], SparseLinear)
+    for module in (__name__, "my_transformers_utils", "sentence_transformers.models", "x_transformers"):
+        Conv1D.__module__ = module  # (a package whose name merely contains "transformers")
+        model = nn.Sequential(Conv1D(), nn.Linear(4, 4))
+        sparsify(model, 0.5)
+        assert isinstance(model[0], Conv1D) and isinstance(model[1], SparseLinear), module
 
 
 def test_include_exclude():
@@ -295,6 +297,73 @@ def test_subclasses_hooks_and_parametrizations_are_left_dense_with_a_warning():
     torch.testing.assert_close(model[0](x), y0)
     model(x)
     assert calls == [1]
+
+
+def test_instance_forwards_state_dict_hooks_and_a_parametrized_bias_are_left_dense():
+    """A forward replaced on the instance (as accelerate's hooks do), state-dict hooks and a
+    parametrized bias would be lost by the replacement: those layers stay dense, named in the
+    warning, and the model computes what it did."""
+    import functools
+    import torch.nn.utils.parametrize as P
+
+    class Id(nn.Module):
+        def forward(self, t):
+            return t
+
+    wrapped = nn.Linear(6, 6)
+    inner = wrapped.forward
+    wrapped.forward = functools.partial(lambda mod, t: 10 * inner(t), wrapped)
+    loading = nn.Linear(6, 6)
+    loading._register_load_state_dict_pre_hook(lambda *a: None)
+    saving = nn.Linear(6, 6)
+    saving._register_state_dict_hook(lambda *a: None)
+    pbias = nn.Linear(6, 6)
+    P.register_parametrization(pbias, "bias", Id())
+    model = nn.Sequential(wrapped, loading, saving, pbias, nn.Linear(6, 6))
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        y0 = model[0](x)
+    with pytest.warns(UserWarning, match="left these layers dense") as rec:
+        model, s = sparsify(model, 0.5, summary=True)
+    why = dict(s.skipped)
+    assert set(why) == {"0", "1", "2", "3"} and isinstance(model[4], SparseLinear)
+    assert "on the instance" in why["0"] and "load state dict" in why["1"] and "state dict" in why["2"]
+    assert "bias is parametrized" in why["3"] and "weight" not in why["3"]
+    assert all(w in str(rec[0].message) for w in why.values())
+    torch.testing.assert_close(model[0](x), y0)
+
+
+def test_an_empty_include_selects_nothing_and_a_shared_bias_stays_tied():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    for empty in ([], set(), ()):
+        sparsify(model, 0.5, include=empty)
+        assert not any(isinstance(m, SparseLinear) for m in model)
+    sparsify(model, 0.5)
+    for empty in ([], ()):
+        snack.densify(model, include=empty)
+        assert all(isinstance(m, SparseLinear) for m in model)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.bias = a.bias
+    model, s = sparsify(nn.Sequential(a, b, nn.Linear(4, 4)), 0.5, summary=True)
+    assert model[0].bias is model[1].bias and type(model[0]) is nn.Linear
+    assert dict(s.skipped) == {"0": "bias shared with another module (tied)",
+                               "1": "bias shared with another module (tied)"}
+    assert isinstance(model[2], SparseLinear)
+
+
+def test_layers_left_without_connections_are_named_and_erk_errors_name_the_module():
+    model = nn.Sequential(nn.Linear(784, 300), nn.Linear(300, 100), nn.Linear(100, 10))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        sparsify(model, 0.99999)
+    texts = [str(w.message) for w in rec if "no connection" in str(w.message)]
+    assert len(texts) == 1 and "1 (300 -> 100)" in texts[0] and "2 (100 -> 10)" in texts[0]
+    assert rec[0].filename == __file__  # the caller's line, not the library's
+    assert model[1].nnz == 0 and model[0].nnz > 0
+    bad = nn.Sequential(nn.Linear(8, 8), nn.Linear(0, 4))
+    with pytest.raises(ValueError, match="module '1'"):
+        sparsify(bad, 0.5, distribution="erk")
+    assert all(type(m) is nn.Linear for m in bad)
 
 
 def test_warns_when_nothing_matches_or_model_is_already_sparse():
