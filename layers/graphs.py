@@ -49,12 +49,20 @@ def capture_stream(device=None) -> torch.cuda.Stream:
 
 
 def _detach(out):
+    """out with every tensor detached, in containers of the same types (a namedtuple, an
+    OrderedDict and torch.return_types included)."""
     if isinstance(out, torch.Tensor):
         return out.detach()
+    if isinstance(out, tuple) and hasattr(type(out), "_fields"):  # a namedtuple
+        return type(out)(*(_detach(o) for o in out))
     if isinstance(out, (tuple, list)):
         return type(out)(_detach(o) for o in out)
     if isinstance(out, dict):
-        return {k: _detach(v) for k, v in out.items()}
+        d = {k: _detach(v) for k, v in out.items()}
+        try:
+            return type(out)(d)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return d
     return out
 
 
@@ -104,7 +112,8 @@ class CapturedStep:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-        if dst is not None and not (hasattr(dst, "is_update_step") and hasattr(dst, "num_steps")):
+        if dst is not None and (isinstance(dst, type) or not (hasattr(dst, "is_update_step")
+                                                             and hasattr(dst, "num_steps"))):
             raise TypeError(f"dst must be a snack.dst object (SET, RigL) or None, got {type(dst).__name__}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
             raise TypeError(f"warmup_steps must be an int, got {type(warmup_steps).__name__}")

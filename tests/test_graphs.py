@@ -49,6 +49,25 @@ def test_on_the_cpu_it_runs_the_step_eagerly():
     assert (step.eager_steps, step.replays, step.captures, step.capture_s) == (2, 0, 0, 0.0)
 
 
+def test_outputs_keep_their_container_types():
+    """A namedtuple, an OrderedDict and nested lists come back as such, every tensor detached
+    (a namedtuple used to fail after the step had run)."""
+    import collections
+    Out = collections.namedtuple("Out", "loss parts")
+    model = _model("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner = _step_fn(model, opt)
+
+    def fn(x, y):
+        loss = inner(x, y)
+        return Out(loss, [loss * 2, collections.OrderedDict(a=loss)])
+
+    out = CapturedStep(fn, model=model, optimizer=opt)(torch.randn(4, 40), torch.randint(0, 7, (4,)))
+    assert type(out) is Out and type(out.parts) is list and type(out.parts[1]) is collections.OrderedDict
+    assert not any(t.requires_grad for t in (out.loss, out.parts[0], out.parts[1]["a"]))
+    torch.testing.assert_close(out.parts[0], 2 * out.loss)
+
+
 def test_bad_arguments_raise():
     model = _model("cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -58,8 +77,9 @@ def test_bad_arguments_raise():
         CapturedStep(lambda: None, model=[model])
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         CapturedStep(lambda: None, model=model, optimizer="adam")
-    with pytest.raises(TypeError, match="dst must be a snack.dst object"):
-        CapturedStep(lambda: None, model=model, dst=object())
+    for bad in (object(), snack.dst.RigL):  # (the class itself, not an instance)
+        with pytest.raises(TypeError, match="dst must be a snack.dst object"):
+            CapturedStep(lambda: None, model=model, dst=bad)
     with pytest.raises(ValueError, match="warmup_steps must be >= 1, got 0"):
         CapturedStep(lambda: None, model=model, warmup_steps=0)
     with pytest.raises(TypeError, match="warmup_steps must be an int"):
