@@ -21,6 +21,7 @@ import gzip
 import importlib.util
 import os
 import struct
+import zipfile
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -140,9 +141,12 @@ def cache_file(name: str, split: str) -> Path:
 def _save_atomic(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.savez_compressed(f, images=images, labels=labels)
-    os.replace(tmp, path)  # readers never see a half-written file
+    try:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, images=images, labels=labels)
+        os.replace(tmp, path)  # readers never see a half-written file
+    finally:
+        tmp.unlink(missing_ok=True)  # (a failed write leaves nothing behind)
 
 
 def load_arrays(name: str = "mnist", split: str = "train", *, use_cache: bool = True
@@ -155,8 +159,12 @@ def load_arrays(name: str = "mnist", split: str = "train", *, use_cache: bool = 
     """
     path = cache_file(name, split)
     if use_cache and path.is_file():
-        with np.load(path) as f:
-            images, labels = f["images"], f["labels"]
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                images, labels = f["images"], f["labels"]
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            raise ValueError(f"the cached {name}/{split} file {path} cannot be read ({type(e).__name__}: {e}); "
+                             "delete it to rebuild the cache") from e
     else:
         images, labels = _parse(name, split)
         if use_cache:
@@ -164,7 +172,7 @@ def load_arrays(name: str = "mnist", split: str = "train", *, use_cache: bool = 
     if images.dtype != np.uint8 or images.ndim != 2 or images.shape[1] != IMAGE_SIZE:
         raise ValueError(f"{name}/{split} images must be uint8 (N, {IMAGE_SIZE}), got "
                          f"{images.dtype} {images.shape} (delete {path} to rebuild the cache)")
-    if labels.shape != (images.shape[0],) or (labels.size and labels.max() >= N_CLASSES):
+    if labels.dtype != np.uint8 or labels.shape != (images.shape[0],) or (labels.size and labels.max() >= N_CLASSES):
         raise ValueError(f"{name}/{split} labels must be ({images.shape[0]},) in [0, {N_CLASSES}), got "
                          f"{labels.dtype} {labels.shape} (delete {path} to rebuild the cache)")
     return images, labels

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 import snack  # noqa: E402
-from experiments.cli import bool_arg  # noqa: E402
+from experiments.cli import bool_arg, out_arg  # noqa: E402
 from experiments.data import DatasetNotFoundError, load  # noqa: E402
 from experiments.results_io import write_text  # noqa: E402
 from experiments.train_mnist import (backward_thread_name, environment, evaluate, lenet_300_100,  # noqa: E402
@@ -60,7 +60,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dst", choices=("rigl", "set", "none"), default="rigl")
     p.add_argument("--update_every", type=int, default=None, help="default 100 (--quick: 10)")
     p.add_argument("--drop_fraction", type=float, default=0.3,
-                   help="fraction pruned and regrown per update (cosine decay), in [0, 1)")
+                   help="fraction pruned and regrown per update (cosine decay to 0 at 75%% of the steps, "
+                        "no update after), in [0, 1)")
     p.add_argument("--train_limit", type=int, default=None, help="default 0: all (--quick: 4000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
@@ -89,6 +90,7 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--drop_fraction must be in [0, 1), got {a.drop_fraction}")
     if not -2**63 <= a.seed < 2**64:
         p.error(f"--seed must fit in 64 bits (torch.manual_seed), got {a.seed}")
+    out_arg(p, "out_dir", Path(a.out_dir) / "train_ddp.json")  # before the run, not after it
     return a
 
 
@@ -138,14 +140,15 @@ def main(argv=None) -> dict:
         model = snack.sparsify(lenet_300_100(), sparsity=a.sparsity, distribution=a.distribution).to(device)
         net = ddp(model, [local] if use_cuda else None) if world > 1 else model
         opt = torch.optim.Adam(model.parameters(), lr=a.lr)
-        dst = None
-        if a.dst != "none":
-            dst = (snack.dst.RigL if a.dst == "rigl" else snack.dst.SET)(
-                model, opt, drop_fraction=a.drop_fraction, update_every=a.update_every, seed=a.seed)
         n, per = x_train.shape[0], a.batch_size // world
         steps = n // a.batch_size  # whole global batches (the rest of an epoch's order is left out)
         if steps == 0:
             raise SystemExit(f"--batch_size {a.batch_size} is larger than the {n} training examples")
+        dst = None
+        if a.dst != "none":  # RigL's cosine decay of the drop fraction, no update after 75% of the steps
+            dst = (snack.dst.RigL if a.dst == "rigl" else snack.dst.SET)(
+                model, opt, drop_fraction=a.drop_fraction, update_every=a.update_every,
+                total_steps=a.epochs * steps, seed=a.seed)
         if lead:
             print(f"train_ddp: {world} rank(s) ({'NCCL, one GPU each' if use_cuda and world > 1 else 'gloo, CPU' if world > 1 else device}), "
                   f"LeNet-300-100 at sparsity {a.sparsity} ({a.distribution}), DST {a.dst}, global batch "

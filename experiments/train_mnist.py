@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
 
 import snack  # noqa: E402
 from snack.layers.backend import backend_name  # noqa: E402
-from experiments.cli import bool_arg  # noqa: E402
+from experiments.cli import bool_arg, out_arg  # noqa: E402
 from experiments.cuda_workspaces import make_cublas_workspaces  # noqa: E402
 from experiments.data import DatasetNotFoundError, load  # noqa: E402
 from experiments.results_io import git_commit, save_torch, write_csv, write_text  # noqa: E402
@@ -131,6 +131,7 @@ def parse_config(argv=None) -> dict:
         cfg.update(QUICK)
     cfg.update(given)
     _validate(cfg)
+    out_arg(p, "out_dir", Path(cfg["out_dir"]) / "train_mnist.csv")  # before the run, not after it
     return cfg
 
 
@@ -205,10 +206,10 @@ def lenet_300_100() -> nn.Sequential:
                          nn.Linear(100, 10))
 
 
-def save_trained(path, model: nn.Module, kind: str, config: dict, test_acc: float) -> Path:
-    """Writes a trained LeNet-300-100 (kind "dense" or "sparse") to `path` whole, in the format
-    `load_trained` reads; returns the path."""
-    state = model.state_dict()  # (its metadata carries each sparse layer's shape)
+def save_trained(path, model, kind: str, config: dict, test_acc: float) -> Path:
+    """Writes a trained LeNet-300-100 (kind "dense" or "sparse"; the model or its state_dict) to
+    `path` whole, in the format `load_trained` reads; returns the path."""
+    state = model.state_dict() if isinstance(model, nn.Module) else model  # (its metadata: sparse shapes)
     for k, v in state.items():
         state[k] = v.detach().cpu()
     return save_torch(path, dict(model=kind, state_dict=state, config=config, test_acc=test_acc))
@@ -374,7 +375,7 @@ def use_cuda_graph(cfg: dict, device: torch.device) -> bool:
     return cfg["cuda_graph"] is True or (cfg["cuda_graph"] == "auto" and device.type == "cuda")
 
 
-def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device) -> dict:
+def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device, trained=None) -> dict:
     """Trains one model; returns its row of results."""
     from tqdm.auto import tqdm
     x_train, y_train, x_test, y_test = data
@@ -456,9 +457,14 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device)
         **mem,
         activation_bytes=act,
     )
-    if cfg["save"]:
-        path = save_trained(Path(cfg["out_dir"]) / f"train_mnist_{kind}.pt", model, kind, cfg, accs[-1])
+    if cfg["save"]:  # written by main with the CSV, after every model has trained
+        path = Path(cfg["out_dir"]) / f"train_mnist_{kind}.pt"
         row["checkpoint"] = str(path)
+        if trained is not None:
+            state = model.state_dict()  # (kept whole: its metadata carries each sparse layer's shape)
+            for k, v in state.items():
+                state[k] = v.detach().cpu().clone()
+            trained[kind] = (path, state, accs[-1])
     if device.type == "cuda":
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
         row["peak_source"] = "torch.cuda.max_memory_allocated"
@@ -543,12 +549,12 @@ def main(argv=None) -> list:
     if use_cuda_graph(cfg, device):  # and the graphs' stream's (made outside a capture, not in its pool)
         with torch.cuda.stream(snack.graphs.capture_stream(device)):
             make_cublas_workspaces(device)
-    rows = []
+    rows, trained = [], {}
     # SparseLinear's backward is Python: on autograd's worker thread for the GPU it must take the
     # GIL from this thread, which costs host time at every small step (README, "snack.optim")
     with torch.autograd.set_multithreading_enabled(cfg["backward_thread"] == "device"):
         for kind in [m.strip() for m in cfg["models"].split(",") if m.strip()]:
-            row = train_one(kind, init, (x_train, y_train, x_test, y_test), cfg, device)
+            row = train_one(kind, init, (x_train, y_train, x_test, y_test), cfg, device, trained)
             rows.append({**row, **{k: env[k] for k in ("device", "device_name", "sparse_backend", "torch",
                                                        "git_commit")}})
 
@@ -557,6 +563,9 @@ def main(argv=None) -> list:
     out_dir = Path(cfg["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = out_dir / "train_mnist.csv", out_dir / "train_mnist.json"
+    # a run interrupted while training leaves the files of the run before it as they were
+    for kind, (path, state, acc) in trained.items():
+        save_trained(path, state, kind, cfg, acc)
     write_csv(csv_path, rows)  # (each file written whole or not at all)
     wall = time.perf_counter() - t_start
     write_text(json_path, json.dumps(dict(config=cfg, environment=env,

@@ -7,6 +7,7 @@ the package from importlib.util.find_spec.
 """
 import gzip
 import importlib.util
+import io
 import os
 import struct
 import sys
@@ -101,6 +102,39 @@ def test_cache_is_written_then_reused(cache, monkeypatch):
     # use_cache=False goes back to the source
     with pytest.raises(AssertionError, match="parsed again"):
         data.load_arrays("mnist", "test", use_cache=False)
+
+
+def test_a_damaged_cache_file_names_itself_and_a_failed_write_leaves_nothing(cache, monkeypatch):
+    """Truncated, empty, foreign, incomplete or wrongly typed cache files raise a ValueError naming
+    the file and how to rebuild it; a write that fails part-way leaves no temporary file."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (5, data.IMAGE_SIZE), dtype=np.uint8)
+    labels = rng.integers(0, 10, 5, dtype=np.uint8)
+    monkeypatch.setattr(data, "_parse", lambda name, split: (images, labels))
+    got = data.load_arrays("mnist", "test")  # parsed (here: the fake) and cached
+    np.testing.assert_array_equal(got[1], labels)
+    path = data.cache_file("mnist", "test")
+    good = path.read_bytes()
+    buf = io.BytesIO()
+    np.savez(buf, images=images)
+    no_labels = buf.getvalue()
+    buf = io.BytesIO()
+    np.savez(buf, images=images, labels=labels.astype(np.int8) - 1)
+    signed = buf.getvalue()
+    for bad in (good[:len(good) // 2], b"", b"not an npz file", no_labels, signed):
+        path.write_bytes(bad)
+        with pytest.raises(ValueError, match=f"delete.*{path.name}|{path.name}.*delete"):
+            data.load_arrays("mnist", "test")
+    path.unlink()
+
+    def fail(f, **arrays):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez_compressed", fail)
+    with pytest.raises(OSError, match="No space left"):
+        data.load_arrays("mnist", "test")
+    assert list(cache.iterdir()) == []
 
 
 def test_missing_mnist_package_names_the_pip_command(cache, monkeypatch):

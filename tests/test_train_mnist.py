@@ -200,6 +200,38 @@ def test_bad_config_raises(argv, match):
         tm.parse_config(argv)
 
 
+def test_a_bad_out_dir_is_refused_before_training_and_an_interrupted_run_writes_nothing(tmp_path, monkeypatch, capsys):
+    """--out_dir that cannot hold the results is a usage error before any training; a run stopped
+    while training a model leaves the folder as it was (no checkpoint of the models before it)."""
+    from experiments import train_mnist as tm
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for bad in (afile, afile / "sub"):
+        with pytest.raises(SystemExit) as e:
+            tm.parse_config([f"--out_dir={bad}"])
+        assert e.value.code == 2 and "--out_dir" in capsys.readouterr().err
+    real = tm.train_one
+
+    def stop_at_sparse(kind, *args, **kwargs):
+        if kind == "sparse":
+            raise KeyboardInterrupt
+        return real(kind, *args, **kwargs)
+
+    monkeypatch.setattr(tm, "train_one", stop_at_sparse)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        tm.main(["--epochs=1", "--batch_size=64", "--train_limit=128", "--test_limit=64", "--progress=false",
+                 "--device=cpu", f"--out_dir={out}"])
+    assert not out.exists() or list(out.iterdir()) == []
+    monkeypatch.setattr(tm, "train_one", real)
+    rows = tm.main(["--epochs=1", "--batch_size=64", "--train_limit=128", "--test_limit=64", "--progress=false",
+                    "--device=cpu", f"--out_dir={out}"])
+    for r in rows:  # the checkpoints are written with the CSV and load back to the accuracy it records
+        model = tm.load_trained(r["checkpoint"])
+        x, y = tm.load("mnist", "test", limit=64, device=torch.device("cpu"))
+        assert tm.evaluate(model, x, y) == pytest.approx(r["test_acc"], abs=1e-9)
+
+
 @pytest.mark.parametrize("thread", ["caller", "device"])
 def test_backward_thread_reaches_every_backward_and_is_restored(tmp_path, backward_threading, thread):
     from experiments import train_mnist as tm
