@@ -72,7 +72,7 @@ class CapturedStep:
     Args:
         fn: one whole training step: zero the gradients, forward, backward, `optimizer.step()`
             (and whatever else should run at every step, e.g. adding the loss to a running sum
-            on the device). It returns a tensor, a tuple / list / dict of tensors, or None. To be
+            on the device). It returns a tensor, a (named) tuple / list / dict of tensors, or None. To be
             captured it must not wait on the GPU (no `.item()`, no `if` on a tensor's value) and
             must do the same work at every call. Zero the gradients in place
             (`zero_grad(set_to_none=False)`): eager steps between replays then accumulate into
@@ -92,9 +92,9 @@ class CapturedStep:
         warmup_steps: eager steps on the side stream before the first capture (>= 1; one before
             each later capture). They train as the replays do: they are steps of the run.
 
-    Calling it runs one step. The first call fixes the inputs' shapes, dtypes and devices: a call
-    whose inputs differ (a last, smaller batch) runs fn eagerly on them, as does every call while
-    the model or the inputs are not on CUDA. Otherwise the inputs are copied into the graph's
+    Calling it runs one step. The first call with the model and every input on CUDA fixes the
+    inputs' shapes, dtypes and devices: a later call whose inputs differ (a last, smaller batch)
+    runs fn eagerly on them, as does every call while the model or the inputs are not on CUDA. Otherwise the inputs are copied into the graph's
     own tensors and the graph replays on the current stream. Outputs come back detached; after a
     replay they are the graph's output tensors, which the next replay overwrites (clone what you
     keep).
@@ -114,7 +114,8 @@ class CapturedStep:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         if dst is not None and (isinstance(dst, type) or not (hasattr(dst, "is_update_step")
                                                              and hasattr(dst, "num_steps"))):
-            raise TypeError(f"dst must be a snack.dst object (SET, RigL) or None, got {type(dst).__name__}")
+            raise TypeError(f"dst must be a snack.dst object (SET, RigL) or None, got "
+                            f"{dst.__name__ + ' (a class: give an instance)' if isinstance(dst, type) else type(dst).__name__}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
             raise TypeError(f"warmup_steps must be an int, got {type(warmup_steps).__name__}")
         if warmup_steps < 1:
@@ -149,9 +150,9 @@ class CapturedStep:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"inputs[{i}] must be a tensor, got {type(t).__name__}")
         signature = tuple((t.shape, t.dtype, t.device) for t in inputs)
-        if self._signature is None:
-            self._signature = signature
         device = self._cuda_device()
+        if self._signature is None and device is not None and all(t.is_cuda for t in inputs):
+            self._signature = signature  # the first step that could be captured sets the inputs' form
         eager = (device is None or signature != self._signature
                  or any(not t.is_cuda for t in inputs)
                  or (self.dst is not None and getattr(self.dst, "needs_gradient", False)

@@ -190,3 +190,19 @@ def test_replayed_outputs_are_the_graphs_and_invalidate_captures_again():
     step(x, y)                     # one warm-up
     step(x, y)                     # a new capture
     assert step.captures == 2 and step.eager_steps == 2
+
+
+@pytest.mark.gpu
+def test_a_first_step_on_the_cpu_does_not_keep_a_model_moved_to_cuda_eager():
+    """The inputs' form is fixed by the first call that could be captured: steps on the CPU
+    before the model moves to CUDA leave the later CUDA steps free to be captured."""
+    model = _model("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = CapturedStep(_step_fn(model, opt), model=model, optimizer=opt, warmup_steps=1)
+    step(torch.randn(16, 40), torch.randint(0, 7, (16,)))  # eager, on the CPU
+    model.cuda()
+    x, y = torch.randn(16, 40, device="cuda"), torch.randint(0, 7, (16,), device="cuda")
+    step(x, y)   # warm-up
+    step(x, y)   # capture + replay
+    step(x, y)   # replay
+    assert (step.eager_steps, step.captures, step.replays) == (2, 1, 2)
