@@ -100,7 +100,10 @@ def erdos_renyi_density(shape: Tuple[int, int], epsilon: float = 20.0) -> float:
 
 def erk_densities(shapes: Sequence[Tuple[int, int]], sparsity: float) -> List[float]:
     """Per-layer densities so that sum(density_i * n_i) = (1 - sparsity) * sum(n_i), with density_i
-    proportional to (rows_i + cols_i) / (rows_i * cols_i) and at most 1 (RigL's ERK rule)."""
+    proportional to (rows_i + cols_i) / (rows_i * cols_i) and at most 1 (RigL's ERK rule).
+    `sparsity` a number or a floating 0-d tensor (as `sparsify` takes)."""
+    if isinstance(sparsity, torch.Tensor) and sparsity.dim() == 0 and sparsity.is_floating_point():
+        sparsity = float(sparsity)
     if isinstance(sparsity, bool) or not isinstance(sparsity, Real) or math.isnan(sparsity) \
             or not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")

@@ -165,6 +165,10 @@ def test_erk_small_layers_denser():
     d = erk_densities(LENET, 0.9)
     assert d[0] < d[1] < d[2]
     assert d[2] == 1.0  # (10, 100) would exceed 1
+    # a floating 0-d tensor (as sparsify takes it) gives the same densities; other tensors do not pass
+    assert erk_densities(LENET, torch.tensor(0.9, dtype=torch.float64)) == d
+    with pytest.raises(ValueError, match="sparsity"):
+        erk_densities(LENET, torch.tensor([0.9]))
 
 
 def test_erk_errors():
