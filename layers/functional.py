@@ -13,7 +13,8 @@ Hessian-vector products) or a torch.func transform runs, dX and dv come from the
 `_SpmmT` and `_Sddmm`, whose backward and jvp are made of the same three ops again (see the
 comment above `_Spmm`), so torch.func.grad / vjp / jvp / jacrev / jacfwd / hessian and vmap work
 (per-sample gradients: one SDDMM per sample). Not supported: `torch.autograd.grad(...,
-is_grads_batched=True)` (NotImplementedError) and double backward through torch.compile.
+is_grads_batched=True)` and legacy batched forward tangents (gradcheck's
+check_batched_forward_grad): NotImplementedError; and double backward through torch.compile.
 When no gradient is wanted (torch.no_grad, or nothing requires grad) the forward runs without
 the autograd Function, saving its host overhead on every inference call. While torch.compile
 traces it, the op is `torch.ops.snack.sparse_linear` instead (layers/library.py: the same backend
@@ -44,7 +45,7 @@ from torch._C._functorch import maybe_current_level as _current_level
 from . import backend, library
 from .backend import _version_of
 from snack.core import Topology
-from snack.core.coo import REBUILD
+from snack.core.coo import _MAX_DIM, REBUILD
 
 _is_tracing = torch._C._is_tracing  # torch.jit.trace is recording (torch.jit.is_tracing without its wrapper)
 
@@ -118,6 +119,11 @@ class SparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, dx, dv, db, _):
+        if any(t is not None and torch._C._functorch.is_legacy_batchedtensor(t) for t in (dx, dv, db)):
+            raise NotImplementedError(
+                "sparse_linear's forward-mode derivative does not take torch's legacy batched tangents "
+                "(gradcheck's check_batched_forward_grad); use torch.func.vmap over torch.func.jvp, "
+                "or torch.func.jacfwd, which SparseLinearFunction supports")
         x, values = ctx.saved_tensors
         return _tangent(_Spmm, x, values, dx, dv, ctx.topo, db)
 
@@ -565,8 +571,8 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
         if isinstance(out_features, bool) or not isinstance(out_features, Integral):
             raise TypeError(f"out_features must be an int, got {type(out_features).__name__}")
         out_features = int(out_features)  # numpy integers
-    if out_features < 0:
-        raise ValueError(f"out_features must be >= 0, got {out_features}")
+    if not 0 <= out_features <= _MAX_DIM:
+        raise ValueError(f"out_features must be in [0, 2**31 - 1] (int32 indices), got {out_features}")
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dimension (..., in_features), got a scalar")
     in_f = x.shape[-1]

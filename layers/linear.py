@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from snack.core import INDEX_DTYPE, canonicalize, density_to_nnz, uniform_indices
-from snack.core.coo import check_device, check_mask
+from snack.core.coo import _MAX_DIM, check_device, check_mask
 from .functional import sparse_linear
 
 __all__ = ["SparseLinear"]
@@ -76,8 +76,8 @@ def _note_resize(values: torch.Tensor, old_nnz: int) -> None:
 def _check_features(name: str, n) -> int:
     if isinstance(n, bool) or not isinstance(n, Integral):  # int, numpy integers
         raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-    if n <= 0:
-        raise ValueError(f"{name} must be a positive int, got {n}")
+    if not 0 < n <= _MAX_DIM:
+        raise ValueError(f"{name} must be a positive int below 2**31 (int32 indices), got {n}")
     return int(n)
 
 
@@ -147,7 +147,9 @@ class SparseLinear(nn.Module):
     container, a ModuleDict, holds as a method: KeyError, and the failed call leaves the layer
     without its values); transform the values in a module around the layer instead.
     The topology metadata is rebuilt (and validated, with a host sync) whenever `indices` is
-    written in place; under DistributedDataParallel pass forward_sync_buffers=False (torch >= 2.13;
+    written in place through torch (torch counts such writes); a write torch does not see (through
+    `.data`, a numpy view, a torch.distributed collective into the buffer) leaves the old pattern
+    in use until `torch.autograd.graph.increment_version(layer.indices)` is called; under DistributedDataParallel pass forward_sync_buffers=False (torch >= 2.13;
     before it broadcast_buffers=False; all ranks build the same pattern from the same seed, or
     load it) so that it is not re-sent, and rebuilt, every step.
     """
@@ -240,6 +242,13 @@ class SparseLinear(nn.Module):
         bias = params["bias"] if "bias" in params else self.bias
         indices = buffers["indices"] if "indices" in buffers else self.indices
         return sparse_linear(x, indices, values, self.out_features, bias, in_features=self.in_features)
+
+    def to_coo(self):
+        """The layer's connections as a `snack.core.COO` (a copy of its indices, its values
+        detached, not copied): every connection, those whose value is 0 included (a COO made from
+        `to_dense()` would drop them), without building the dense matrix."""
+        from snack.core import COO
+        return COO(self.indices, self.values.detach(), (self.out_features, self.in_features))
 
     def to_dense(self) -> torch.Tensor:
         """The (out_features, in_features) weight, differentiable in values. For tests and export
@@ -377,8 +386,9 @@ class SparseLinear(nn.Module):
         if not w.is_floating_point():
             raise TypeError(f"weight must be a floating tensor, got {w.dtype}")
         out_f, in_f = int(w.shape[0]), int(w.shape[1])
-        _check_features("in_features", in_f)
-        _check_features("out_features", out_f)
+        if not (0 < out_f <= _MAX_DIM and 0 < in_f <= _MAX_DIM):
+            raise ValueError("weight_or_linear's weight must have 1 to 2**31 - 1 rows (out_features) and "
+                             f"columns (in_features), got shape {tuple(w.shape)}")
         if sparsity is not None and mask is not None:
             raise ValueError("give sparsity or mask, not both")
         wd = w.detach()

@@ -649,6 +649,11 @@ def test_legacy_batched_gradients_raise_clearly():
     y = sparse(x, v, b)
     with pytest.raises(NotImplementedError, match="is_grads_batched"):
         torch.autograd.grad(y, x, torch.randn(2, *y.shape, dtype=y.dtype), is_grads_batched=True)
+    # (gradcheck re-raises it as a GradcheckError carrying the message)
+    with pytest.raises(RuntimeError, match="legacy batched tangents.*check_batched_forward_grad"):
+        torch.autograd.gradcheck(sparse, (x.detach().requires_grad_(), v.detach().requires_grad_(), b),
+                                 check_forward_ad=True, check_batched_forward_grad=True, check_backward_ad=False,
+                                 check_undefined_grad=False)
 
 
 def test_training_forward_skips_argument_binding(monkeypatch):

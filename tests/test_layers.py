@@ -1127,3 +1127,23 @@ def test_cuda_full_pattern_layer_and_densify_match_float64_eager_and_captured():
     dense = snack.densify(copy.deepcopy(layer))
     assert type(dense) is nn.Linear and dense.weight.is_cuda
     torch.testing.assert_close(dense(x2), layer(x2), atol=1e-5, rtol=1e-5)
+
+
+def test_to_coo_keeps_every_connection_and_size_errors_name_the_argument():
+    """to_coo() holds every connection, zero-valued ones included (a COO made from to_dense()
+    drops them), and shares the values; sizes past int32 are refused naming the argument."""
+    layer = snack.SparseLinear(8, 6, sparsity=0.5)
+    with torch.no_grad():
+        layer.values[:3] = 0
+    coo = layer.to_coo()
+    assert coo.nnz == layer.nnz == 24 and snack.core.COO.from_dense(layer.to_dense().detach()).nnz == 21
+    assert torch.equal(coo.indices, layer.indices) and coo.values.data_ptr() == layer.values.data_ptr()
+    assert not coo.values.requires_grad and coo.shape == (6, 8)
+    torch.testing.assert_close(coo.to_dense(), layer.to_dense().detach())
+    with pytest.raises(ValueError, match=r"in_features must be a positive int below 2\*\*31"):
+        snack.SparseLinear(2**31 + 5, 1)
+    with pytest.raises(ValueError, match="weight_or_linear's weight must have 1 to"):
+        snack.SparseLinear.from_dense(torch.randn(0, 4))
+    with pytest.raises(ValueError, match=r"out_features must be in \[0, 2\*\*31 - 1\]"):
+        snack.functional.sparse_linear(torch.randn(2, 3), torch.zeros(2, 0, dtype=torch.int32), torch.zeros(0),
+                                       2**31 + 5)
