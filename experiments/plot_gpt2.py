@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from experiments.cli import csv_to_plot, figure_arg, read_rows  # noqa: E402
+from experiments.results_io import save_figure  # noqa: E402
 from experiments.plot_layer import _num  # noqa: E402
 
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask"}
@@ -135,7 +136,7 @@ def main(argv=None):
     fig.tight_layout()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    save_figure(fig, out, dpi=120)
     plt.close(fig)
     print(f"wrote {out}")
     return out

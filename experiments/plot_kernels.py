@@ -11,7 +11,9 @@ and the target points (forward, speed-ups, roofline; one row per sparsity). With
 --cold alone draws papers/fig_kernels_cold.png from it (warm and cold L2 side by side).
 
 Usage: python experiments/plot_kernels.py [--csv results/bench_kernels.csv] [--out papers/fig_kernels.png]
-       python experiments/plot_kernels.py --markdown [--csv results/bench_kernels_quick.csv]
+       python experiments/plot_kernels.py --markdown [--csv results/bench_kernels.csv]
+           (the README's grid table from the default CSV; its target-point table from
+           --csv results/bench_kernels_quick.csv)
        python experiments/plot_kernels.py --markdown --cold [--csv results/bench_cold.csv]
        python experiments/plot_kernels.py --cold [--csv results/bench_cold.csv] [--out papers/fig_kernels_cold.png]
 """
@@ -27,6 +29,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 
 from experiments.cli import csv_to_plot, figure_arg, read_rows  # noqa: E402
+from experiments.results_io import save_figure  # noqa: E402
 
 DEFAULT_CSV = str(ROOT / "results" / "bench_kernels.csv")
 COLD_CSV = str(ROOT / "results" / "bench_cold.csv")
@@ -183,7 +186,7 @@ def draw_cold(rows, shape: str, source: str, out: str) -> str:
         ax.legend(fontsize=6)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
+    save_figure(fig, out, dpi=130)
     plt.close(fig)
     print(f"wrote {out}")
     return out
@@ -279,7 +282,7 @@ def main(argv=None):
     fig.tight_layout()
     import os
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    fig.savefig(args.out, dpi=130)
+    save_figure(fig, args.out, dpi=130)
     plt.close(fig)
     print(f"wrote {args.out}")
     return Path(args.out)

@@ -23,6 +23,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 
 from experiments.cli import csv_to_plot, figure_arg, read_rows  # noqa: E402
+from experiments.results_io import save_figure  # noqa: E402
 
 LABEL = {"snack": "SNACK (COO)", "dense": "dense", "densemask": "Dense+Mask", "cusparse": "cuSPARSE CSR"}
 STYLE = {"snack": ("C3", "o"), "dense": ("C0", "s"), "densemask": ("C2", "^"), "cusparse": ("C1", "D")}
@@ -153,18 +154,22 @@ def draw(rows, sparsity):
         if not _has(rows, key, "train"):
             _blank(ax, what)
             continue
-        width = 0.8 / len(methods)
-        for i, m in enumerate(methods):
+        drawn = []  # the methods with a training value (cuSPARSE has inference rows only)
+        for m in methods:
             b, v = _series(rows, m, "train", key)
-            if not v or all(math.isnan(x) for x in v):
-                continue
+            if v and not all(math.isnan(x) for x in v):
+                drawn.append((m, b, v))
+        width = 0.8 / len(drawn)
+        for i, (m, b, v) in enumerate(drawn):
             c, _ = STYLE[m]
             ax.bar([bs.index(x) + i * width for x in b], v, width, color=c, label=LABEL[m])
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(bs))], [str(int(b)) for b in bs])
         ax.set_xlabel("batch size B")
         ax.set_ylabel(ylabel)
         ax.set_title(what + " (training)")
-        ax.legend()
+        top = max((x for _, _, v in drawn for x in v if not math.isnan(x)), default=1.0)
+        ax.set_ylim(0, top * 1.2)  # room above the bars for the legend
+        ax.legend(ncol=len(drawn), fontsize=8, loc="upper center")
 
     ax = axes[1, 2]
     if _has(rows, "eager_us") and time_key == "graph_us":
@@ -201,7 +206,7 @@ def plot(rows, sparsity, out):
     fig = draw(rows, sparsity)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
+    save_figure(fig, out, dpi=130)
     plt.close(fig)
     return out
 

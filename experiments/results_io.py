@@ -57,6 +57,13 @@ def _replace(path, write) -> Path:
     return path
 
 
+def save_figure(fig, path, **savefig_kwargs) -> Path:
+    """fig.savefig to `path` atomically (a failed save leaves the figure there before whole), in
+    the format its extension names (figure_arg gives every figure path one); returns the path."""
+    fmt = Path(path).suffix.lstrip(".").lower() or None
+    return _replace(path, lambda tmp: fig.savefig(tmp, format=fmt, **savefig_kwargs))
+
+
 def write_csv(path, rows: List[dict], fieldnames: Optional[Iterable[str]] = None) -> Path:
     """rows -> CSV at path (atomically); returns the path."""
     if not rows:

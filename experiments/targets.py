@@ -19,6 +19,7 @@ the same checks.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -120,10 +121,13 @@ class _Points:
         if row is None:
             raise SystemExit(f"{self.path} has no {method} row at {self.what(key)}, a point of the targets")
         try:
-            return float(row[field])
+            v = float(row[field])
         except ValueError:
+            v = math.nan
+        if not math.isfinite(v):  # (nan: a timing that failed, or a column of another kind of run)
             raise SystemExit(f"{self.path}: {field} of {method} at {self.what(key)} is not a number "
-                             f"({row[field]!r})") from None
+                             f"({row[field]!r}): it was not measured")
+        return v
 
 
 # The speed-up targets, read warm and cold: (sparsity, B, baseline method, its name, target) for
@@ -161,12 +165,14 @@ def _layer_points(rows, path: Path) -> _Points:
 def kernel_checks(path: Path = KERNELS_CSV) -> List[Check]:
     """The kernels' targets at 4096 x 4096 on the 12 target points (forward, dX, SDDMM, graph
     time) and the 1000-call eager host-overhead test."""
-    rows = _rows(path, KERNELS_OF)
+    rows = [r for r in _rows(path, KERNELS_OF) if r.get("dtype", "float32") == "float32"]
+    if not rows:
+        raise SystemExit(f"{path} has no float32 rows, the dtype the kernels' targets are stated in: give "
+                         f"{KERNELS_OF[2]} a CSV written by experiments/{KERNELS_OF[1]} (--dtype float32)")
     src = _source(path, rows[0], "gpu")
     for r in rows:  # a wrong result's timings count for nothing
         err = r.get("rel_err", "")
-        if r["method"] == "snack" and err != "" and r.get("dtype", "float32") == "float32" \
-                and not float(err) <= MAX_REL_ERR["float32"]:
+        if r["method"] == "snack" and err != "" and not float(err) <= MAX_REL_ERR["float32"]:
             raise SystemExit(f"{path}: SNACK's {r['op']} at sparsity {r['sparsity']}, B = {r['batch']} has a "
                              f"relative error of {err}: its timings do not count")
     q = _kernel_points([r for r in rows if r["graph_us"]], path)
@@ -211,7 +217,7 @@ def layer_checks(path: Path = LAYER_CSV) -> List[Check]:
     """The layer's targets at 4096 x 4096: its training step (forward + backward + Adam) and
     inference."""
     rows = _layer_rows(path, LAYER_OF)
-    src = _source(path, rows[0], "device_name")
+    src = _source(path, rows[0], "device_name") + (f", optimizer {rows[0]['optimizer']}" if rows[0].get("optimizer") else "")
     L = _layer_points(rows, path)
 
     def x(phase, B, key):

@@ -135,6 +135,12 @@ def test_rows_that_cannot_count_are_refused(tmp_path):
         (targets.layer_checks, [dict(r, graph_check="MISMATCH") if r["method"] == "densemask" else r
                                 for r in lay], "densemask train B = 1"),
         (targets.layer_checks, [dict(r, sparsity="0.99") for r in lay], "no rows at sparsity 0.9"),
+        # a baseline whose timing failed (nan) is not a SNACK target missed; nor a cold column of a warm run
+        (targets.kernel_checks, [dict(r, graph_us="nan") if (r["method"], r["sparsity"], r["batch"], r["op"])
+                                 == ("cusparse_csr", "0.99", "128", "forward") else r for r in k],
+         "graph_us of cusparse_csr at sparsity 0.99, B = 128 (forward) is not a number ('nan')"),
+        (targets.layer_cold_checks, [dict(r, graph_cold_us="nan") for r in lay], "graph_cold_us of"),
+        (targets.kernel_checks, [dict(r, dtype="bfloat16") for r in k], "has no float32 rows"),
     ]
     for i, (fn, rows, want) in enumerate(cases):
         msg = one_line_exit(fn, _write(tmp_path / f"c{i}.csv", rows))
