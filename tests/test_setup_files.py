@@ -152,3 +152,27 @@ def test_a_checkout_imports_its_own_subpackages(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[:3] == [str(tmp_path / "src" / "snack" / p)
                                     for p in ("core/__init__.py", "gpu/ops.py", "layers/linear.py")]
+
+
+def _extras(text: str) -> set:
+    """The extras of every `pip install ... -e ".[a,b]"` in text (an empty frozenset for `-e .`)."""
+    return {frozenset(filter(None, (m or "").split(",")))
+            for m in re.findall(r"pip[_ ]install[^\n]*?-e \"?\.(?:\[([\w,-]*)\])?\"?", text)}
+
+
+def test_ci_installs_the_extras_of_the_readme_test_command_and_numba_cuda_is_pinned_alike():
+    readme = _text("README.md")
+    test_block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "python -m pytest -q" in b)
+    want = _extras(test_block)
+    assert want == {frozenset({"test"})}, want
+    assert _extras(_text(".ci/run")) == want, "`.ci/run` installs other extras than the README's test command"
+    project = _pyproject()["project"]
+    specs = [d for d in project["dependencies"] + sum(project["optional-dependencies"].values(), [])
+             if d.startswith("numba-cuda")]
+    assert len(specs) >= 3 and len({re.sub(r"\[.*?\]", "", s) for s in specs}) == 1, specs
+
+
+def test_the_license_ships_with_the_package():
+    project = _pyproject()["project"]
+    assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
+    assert _text("LICENSE").startswith("MIT License")
