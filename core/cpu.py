@@ -920,6 +920,8 @@ def _check_out(out, shape: Tuple[int, ...], dtype: torch.dtype) -> None:
         raise ValueError(f"out must be a CPU tensor, got device {out.device}")
     if not out.is_contiguous():
         raise ValueError(f"out must be contiguous, got strides {out.stride()} for shape {tuple(out.shape)}")
+    if out.requires_grad:
+        raise ValueError("out must not require grad: the ops write into it outside autograd")
 
 
 # ---- host side -----------------------------------------------------------------------------------

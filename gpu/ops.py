@@ -176,6 +176,8 @@ def _check_out(out, shape, dtype, device):
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
+    if out.requires_grad:
+        raise ValueError("out must not require grad: the ops write into it outside autograd")
     return out
 
 

@@ -698,6 +698,8 @@ def test_bad_input_is_rejected_before_launch():
     with pytest.raises(ValueError, match="out must be"):
         G.spmm(torch.randn(2, 6), t, v, out=out)
     assert torch.equal(out, torch.zeros(2, 5))  # nothing half-written
+    with pytest.raises(ValueError, match="out must not require grad"):
+        G.spmm(torch.randn(2, 6), t, v, out=torch.zeros(2, 4, requires_grad=True))
     dy, x = torch.randn(2, 4), torch.randn(2, 6)  # the fused backward checks like the three ops
     for args, err, msg in (((torch.randn(2, 5), x, t, v), ValueError, "dy must have 4 columns"),
                            ((dy, torch.randn(2, 7), t, v), ValueError, "x must have 6 columns"),
