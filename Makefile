@@ -142,7 +142,7 @@ figure-%:
 
 # Claims 3-6 with snack.optim.Adam for every method (GPU): the layer at B = 1, 8, 32.
 figure-layer-snack-adam:
-	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --out $(LAYER_SNACK_ADAM_CSV)
+	$(PY) experiments/bench_layer.py --optimizer snack-adam --batches 1,8,32 --energy_seconds 0.5 --out $(LAYER_SNACK_ADAM_CSV)
 	$(PY) experiments/plot_layer.py --csv $(LAYER_SNACK_ADAM_CSV) --out $(LAYER_SNACK_ADAM_FIG)
 
 # Half precision (GPU): the kernels' 12 target points in bfloat16 (every method in bfloat16: cuBLAS

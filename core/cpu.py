@@ -45,8 +45,9 @@ a topology is checked once (range, canonical order) before the unchecked kernels
 Trade-off: the X^T / dY^T copies cost B x (in + out) element moves per call (plus padding to
 the tile width), small against the nnz x B multiply-adds at the sparsities this is for, and
 they buy contiguous, register-blocked inner loops. Where they are not small (a batch of 2-7
-samples, padded to 8, and at least nnz / 8 elements to copy per padded sample: a very wide
-layer with few non-zeros per column, `_lopsided`), the forward and the SDDMM read X and dY as
+samples, padded to 8, where the copy, in x 8 elements (in + out for the SDDMM), would move at
+least the nnz x B elements the gathers read: a very wide layer with few non-zeros per column,
+`_lopsided`), the forward and the SDDMM read X and dY as
 they are, as up to 3 samples do. (dX keeps its tiles there: a tile of 8 costs it about what 8
 single samples do, and scattering one sample at a time measured 0.5-1.6x its time at B = 2-7.)
 float32 and float64 are computed natively; float16 and bfloat16 are computed in float32 and
@@ -58,13 +59,13 @@ the few-sample forward's row loop and dX's scatter (scalar, 8-wide and its task)
 left to LLVM dX at B = 2-16 was 7-12% slower, and with every helper inlined at the IR level the compile took 42 instead of 27 s (same bits).
 
 Speed, 4096 x 4096 at 90% sparsity (nnz = 1.68 M), float32, 2 cores (Intel Xeon, torch 2.13
-CPU; experiments/bench_cpu.py --rounds 15, results/bench_cpu.csv @ f08ba1f), against dense torch.mm:
+CPU; experiments/bench_cpu.py --rounds 15, results/bench_cpu.csv @ d9cb7b7), against dense torch.mm:
                  B = 1                   B = 32                 B = 128
-    forward      0.31 ms vs 1.29 (4.1x)  1.35 vs 6.03 (4.5x)    4.23 vs 14.75 (3.5x)
-    dX           0.95 vs 1.24 (1.3x)     1.94 vs 5.54 (2.9x)    5.14 vs 14.14 (2.8x)
-    SDDMM        0.31 vs 1.42 (4.6x)     1.66 vs 3.27 (2.0x)    6.16 vs 14.96 (2.4x)
-(SDDMM against the dense weight gradient dY^T X.) torch's MKL CSR matmul takes 1.33 / 1.76 /
-7.10 ms for the forward. Medians of calls including the Python overhead and the X^T copy, every
+    forward      0.31 ms vs 1.30 (4.1x)  1.24 vs 6.33 (5.1x)    4.20 vs 16.41 (3.9x)
+    dX           0.94 vs 1.29 (1.4x)     1.94 vs 5.51 (2.8x)    5.18 vs 15.41 (3.0x)
+    SDDMM        0.35 vs 2.23 (6.5x)     1.66 vs 3.44 (2.1x)    6.09 vs 16.51 (2.7x)
+(SDDMM against the dense weight gradient dY^T X.) torch's MKL CSR matmul takes 2.10 / 2.01 /
+7.64 ms for the forward. Medians of calls including the Python overhead and the X^T copy, every
 output (SNACK's and dense's) allocated once, on a shared virtual machine (run-to-run spread
 10-30%).
 """

@@ -146,7 +146,7 @@ def parse_args(argv=None):
             ("" if args.optimizer == "adam" else "_" + args.optimizer.replace("-", "_")) + \
             ("" if args.autocast == "off" else f"_autocast_{args.autocast}") + \
             ("" if args.backward_thread == "device" else "_backward_caller") + \
-            ("_quick" if args.quick else "") + ".csv"
+            ("_cold_l2" if args.cold_l2 else "") + ("_quick" if args.quick else "") + ".csv"
         args.out = str(ROOT / "results" / name)
     if Path(args.out).suffix.lower() == ".json":
         p.error(f"--out {args.out}: the run's configuration is written beside the CSV as "
