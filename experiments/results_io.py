@@ -60,7 +60,8 @@ def _replace(path, write) -> Path:
 def save_figure(fig, path, **savefig_kwargs) -> Path:
     """fig.savefig to `path` atomically (a failed save leaves the figure there before whole), in
     the format its extension names (figure_arg gives every figure path one); returns the path."""
-    fmt = Path(path).suffix.lstrip(".").lower() or None
+    import matplotlib
+    fmt = Path(path).suffix.lstrip(".").lower() or matplotlib.rcParams["savefig.format"]  # (as savefig)
     return _replace(path, lambda tmp: fig.savefig(tmp, format=fmt, **savefig_kwargs))
 
 

@@ -376,7 +376,9 @@ def use_cuda_graph(cfg: dict, device: torch.device) -> bool:
 
 
 def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device, trained=None) -> dict:
-    """Trains one model; returns its row of results."""
+    """Trains one model (kind "dense" or "sparse") and returns its result row. With cfg["save"]
+    its checkpoint is written now, or, given a dict `trained`, kept there for `main` to write
+    with the CSV once every model has trained."""
     from tqdm.auto import tqdm
     x_train, y_train, x_test, y_test = data
     if device.type == "cuda":
@@ -460,7 +462,9 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device,
     if cfg["save"]:  # written by main with the CSV, after every model has trained
         path = Path(cfg["out_dir"]) / f"train_mnist_{kind}.pt"
         row["checkpoint"] = str(path)
-        if trained is not None:
+        if trained is None:  # (a caller of its own: written now)
+            save_trained(path, model, kind, cfg, accs[-1])
+        else:
             state = model.state_dict()  # (kept whole: its metadata carries each sparse layer's shape)
             for k, v in state.items():
                 state[k] = v.detach().cpu().clone()

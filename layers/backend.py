@@ -279,12 +279,22 @@ def force_backend(name: str):
 
 
 # ---- the three ops -------------------------------------------------------------------------------
+def _out_or_new(out: Optional[torch.Tensor], like: torch.Tensor, shape) -> torch.Tensor:
+    """The result tensor of an op with nothing to compute: `out` (refused where it requires grad,
+    as the backends refuse it) or a new one like `like`."""
+    if out is None:
+        return like.new_empty(shape)
+    if out.requires_grad:
+        raise ValueError("out must not require grad: the ops write into it outside autograd")
+    return out
+
+
 def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None,
          bias: Optional[torch.Tensor] = None):
     """Y (B, out) = X W^T (+ bias) for x (B, in) contiguous; values (nnz,) and bias (out,) of x's
     dtype and device. The GPU kernels add the bias as they write Y; other backends add it after."""
     if topo.nnz == 0 or x.shape[0] == 0 or x.shape[1] == 0:
-        y = out if out is not None else x.new_empty(x.shape[0], topo.shape[0])
+        y = _out_or_new(out, x, (x.shape[0], topo.shape[0]))
         return y.zero_() if bias is None else y.copy_(bias.expand_as(y))
     b = _backend(x)
     if bias is not None and b.fused_bias:
@@ -296,7 +306,7 @@ def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[to
 def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor, out: Optional[torch.Tensor] = None):
     """dX (B, in) = dY W for dy (B, out) contiguous."""
     if topo.nnz == 0 or dy.shape[0] == 0 or dy.shape[1] == 0:
-        dx = out if out is not None else dy.new_empty(dy.shape[0], topo.shape[1])
+        dx = _out_or_new(out, dy, (dy.shape[0], topo.shape[1]))
         return dx.zero_()
     return _backend(dy).spmm_t(dy, topo, values, out=out)
 
@@ -307,7 +317,7 @@ def sddmm(dy: torch.Tensor, x: torch.Tensor, topo: Topology, out: Optional[torch
     With bias_grad=True returns (dv, db), db (out,) = sum_b dY[b, :] in dy's dtype: from the
     same launch on the GPU, dy.sum(0) elsewhere."""
     if topo.nnz == 0 or dy.shape[0] == 0:
-        dv = out if out is not None else dy.new_empty(topo.nnz)
+        dv = _out_or_new(out, dy, (topo.nnz,))
         dv.zero_()
         return (dv, dy.sum(0)) if bias_grad else dv
     b = _backend(dy)

@@ -248,7 +248,10 @@ class SparseLinear(nn.Module):
         detached, not copied): every connection, those whose value is 0 included (a COO made from
         `to_dense()` would drop them), without building the dense matrix."""
         from snack.core import COO
-        return COO(self.indices, self.values.detach(), (self.out_features, self.in_features))
+        shape = (self.out_features, self.in_features)
+        if self.indices.is_meta:  # (nothing to check or copy: no index is stored)
+            return COO(self.indices.clone(), self.values.detach(), shape, check=False)
+        return COO(self.indices, self.values.detach(), shape)
 
     def to_dense(self) -> torch.Tensor:
         """The (out_features, in_features) weight, differentiable in values. For tests and export

@@ -117,7 +117,9 @@ class SparsifySummary:
 
 def _is_conv1d(m: nn.Module) -> bool:
     t = type(m)
-    return t.__name__ == "Conv1D" and (t.__module__ or "").split(".")[0] in ("transformers", "pytorch_transformers")
+    # (transformers_modules: the code of trust_remote_code models)
+    return t.__name__ == "Conv1D" and (t.__module__ or "").split(".")[0] in (
+        "transformers", "pytorch_transformers", "transformers_modules")
 
 
 def _dense_of(m: nn.Module):
@@ -129,6 +131,13 @@ def _dense_of(m: nn.Module):
         if isinstance(w, torch.Tensor) and w.dim() == 2:
             return "Conv1D", w.t(), getattr(m, "bias", None)
     return None
+
+
+def _torch_leftover(hook) -> bool:
+    """A hook torch leaves on a module after undoing what registered it (weight_norm's loading
+    compatibility hook stays after remove_parametrizations): nothing a replacement would lose."""
+    h = getattr(hook, "hook", hook)  # (load-state-dict hooks come wrapped)
+    return getattr(h, "__name__", "") == "_weight_norm_compat_hook" or type(h).__name__ == "_WeightNormCompatHook"
 
 
 def _unsafe_to_replace(m: nn.Module, action: str = "sparsify") -> str:
@@ -146,12 +155,13 @@ def _unsafe_to_replace(m: nn.Module, action: str = "sparsify") -> str:
     if getattr(m, "parametrizations", None) is not None:
         return (f"its {' and '.join(m.parametrizations.keys()) or 'tensors'} "
                 f"{'are' if len(m.parametrizations) > 1 else 'is'} parametrized (torch.nn.utils.parametrize)")
-    if "forward" in vars(m):
+    f = vars(m).get("forward")
+    if f is not None and not (getattr(f, "__self__", None) is m and getattr(f, "__func__", None) is t.forward):
         return "its forward is replaced on the instance (a wrapper such as accelerate's hooks)"
     hooks = [k for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                          "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                          "_load_state_dict_post_hooks")
-             if getattr(m, k, None)]
+             if any(not _torch_leftover(h) for h in getattr(m, k, {}).values())]
     if hooks:
         return (f"has hooks ({', '.join(h.strip('_').replace('_', ' ') for h in hooks)}); register them "
                 f"after {action}")

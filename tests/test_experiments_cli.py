@@ -731,3 +731,28 @@ def test_bench_first_use_runs_empty_then_full_then_off_and_writes_every_call(tmp
     calls = [r for r in rows if r["op"] in b.OPS]
     assert {(r["run"], r["B"], r["op"]) for r in calls} == {(str(i), str(B), op) for i in range(1, 5) for B in (1, 8) for op in b.OPS}
     assert "run 2 (full): first calls 0.08 s" in capsys.readouterr().out
+
+
+def test_save_figure_is_atomic_and_takes_the_format_of_the_suffix(tmp_path, monkeypatch):
+    """A figure goes to its path whole or not at all (a failed save keeps the figure there
+    before); the format follows the suffix, and matplotlib's default (PNG) without one."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from experiments.results_io import save_figure
+    fig = plt.figure()
+    heads = {"a.png": b"\x89PNG", "b.svg": b"<?xm", "c.pdf": b"%PDF", "noext": b"\x89PNG"}
+    for name, head in heads.items():
+        assert save_figure(fig, tmp_path / name).read_bytes()[:4] == head, name
+    good = (tmp_path / "a.png").read_bytes()
+
+    def fail(*args, **kwargs):
+        Path(args[0]).write_bytes(b"partial")
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(fig, "savefig", fail)
+    with pytest.raises(OSError, match="too large"):
+        save_figure(fig, tmp_path / "a.png")
+    assert (tmp_path / "a.png").read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(heads)
+    plt.close(fig)

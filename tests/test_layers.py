@@ -1140,6 +1140,8 @@ def test_to_coo_keeps_every_connection_and_size_errors_name_the_argument():
     assert torch.equal(coo.indices, layer.indices) and coo.values.data_ptr() == layer.values.data_ptr()
     assert not coo.values.requires_grad and coo.shape == (6, 8)
     torch.testing.assert_close(coo.to_dense(), layer.to_dense().detach())
+    meta = snack.SparseLinear(6, 4, sparsity=0.5, device="meta").to_coo()
+    assert meta.nnz == 12 and meta.values.is_meta and meta.shape == (4, 6)
     with pytest.raises(ValueError, match=r"in_features must be a positive int below 2\*\*31"):
         snack.SparseLinear(2**31 + 5, 1)
     with pytest.raises(ValueError, match="weight_or_linear's weight must have 1 to"):

@@ -331,6 +331,17 @@ def test_instance_forwards_state_dict_hooks_and_a_parametrized_bias_are_left_den
     assert "bias is parametrized" in why["3"] and "weight" not in why["3"]
     assert all(w in str(rec[0].message) for w in why.values())
     torch.testing.assert_close(model[0](x), y0)
+    # what such wrappers leave behind once undone is replaced as a plain layer: a forward put back
+    # as the class's own bound method (accelerate's remove_hook_from_module), weight_norm removed
+    restored = nn.Linear(6, 6)
+    restored.forward = functools.partial(lambda mod, t: mod(t), restored)
+    restored.forward = nn.Linear.forward.__get__(restored)
+    unnormed = nn.utils.parametrizations.weight_norm(nn.Linear(6, 6))
+    P.remove_parametrizations(unnormed, "weight")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = sparsify(nn.Sequential(restored, unnormed), 0.5)
+    assert all(isinstance(m, SparseLinear) for m in model)
 
 
 def test_an_empty_include_selects_nothing_and_a_shared_bias_stays_tied():
