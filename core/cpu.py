@@ -51,7 +51,10 @@ least the nnz x B elements the gathers read: a very wide layer with few non-zero
 they are, as up to 3 samples do. (dX keeps its tiles there: a tile of 8 costs it about what 8
 single samples do, and scattering one sample at a time measured 0.5-1.6x its time at B = 2-7.)
 float32 and float64 are computed natively; float16 and bfloat16 are computed in float32 and
-rounded once at the end. Kernels are compiled
+rounded once at the end. Rounding: tiles of 32 and 64 sum a row's products in one chain in row
+order (the order dX's scatter needs, whose bits the SpMM on W^T must give), so in float32 a row
+of thousands of non-zeros carries a few times the error of torch.mm's blocked sums (3-9x on
+random 2 x 3000 dense rows at B >= 17; tiles of 8 and 16 use two chains, B = 1 eight). Kernels are compiled
 on first use (about 27 s for both dtypes on 2 cores) and cached on disk (Numba's cache, with
 loads and saves under a lock file: `core/jit.py`): one specialisation per op and dtype. Helpers
 are left to LLVM's inliner, except four that Numba inlines at its IR level (`inline="always"`):
