@@ -230,6 +230,13 @@ def test_a_bad_out_dir_is_refused_before_training_and_an_interrupted_run_writes_
         model = tm.load_trained(r["checkpoint"])
         x, y = tm.load("mnist", "test", limit=64, device=torch.device("cpu"))
         assert tm.evaluate(model, x, y) == pytest.approx(r["test_acc"], abs=1e-9)
+    # train_one called on its own (no dict to keep the state in) writes its checkpoint at once
+    cfg = tm.parse_config(["--epochs=1", "--batch_size=64", "--train_limit=128", "--test_limit=64",
+                           "--progress=false", f"--out_dir={tmp_path / 'alone'}"])
+    cpu = torch.device("cpu")
+    data = (*tm.load("mnist", "train", limit=128, device=cpu), *tm.load("mnist", "test", limit=64, device=cpu))
+    row = tm.train_one("sparse", tm.lenet_300_100(), data, cfg, cpu)
+    assert tm.evaluate(tm.load_trained(row["checkpoint"]), *data[2:]) == pytest.approx(row["test_acc"], abs=1e-9)
 
 
 @pytest.mark.parametrize("thread", ["caller", "device"])
