@@ -68,6 +68,13 @@ def _span(t: torch.Tensor):
     return None if r is None else (t.untyped_storage().data_ptr(), *r)
 
 
+def check_out_grad(out: torch.Tensor) -> None:
+    """ValueError where an op's `out=` tensor requires grad: the ops write into it outside
+    autograd (the CPU and GPU backends and the dispatcher's empty-work returns all refuse it)."""
+    if out.requires_grad:
+        raise ValueError("out must not require grad: the ops write into it outside autograd")
+
+
 def check_device(device, name: str = "device") -> Optional[torch.device]:
     """`device` (None, a torch.device, a string or an index) as a torch.device; TypeError/ValueError
     naming `name` where it is not one, or is a CUDA device that torch cannot reach."""

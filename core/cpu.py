@@ -47,15 +47,15 @@ the tile width), small against the nnz x B multiply-adds at the sparsities this 
 they buy contiguous, register-blocked inner loops. Where they are not small (a batch of 2-7
 samples, padded to 8, where the copy, in x 8 elements (in + out for the SDDMM), would move at
 least the nnz x B elements the gathers read: a very wide layer with few non-zeros per column,
-`_lopsided`), the forward and the SDDMM read X and dY as
-they are, as up to 3 samples do. (dX keeps its tiles there: a tile of 8 costs it about what 8
-single samples do, and scattering one sample at a time measured 0.5-1.6x its time at B = 2-7.)
+`_lopsided`), the forward and the SDDMM read X and dY as they are, as up to 3 samples do. (dX
+keeps its tiles there: a tile of 8 costs it about what 8 single samples do, and scattering one
+sample at a time measured 0.5-1.6x its time at B = 2-7.)
 float32 and float64 are computed natively; float16 and bfloat16 are computed in float32 and
 rounded once at the end. Rounding: tiles of 32 and 64 sum a row's products in one chain in row
 order (the order dX's scatter needs, whose bits the SpMM on W^T must give), so in float32 a row
 of thousands of non-zeros carries a few times the error of torch.mm's blocked sums (3-9x on
-random 2 x 3000 dense rows at B >= 17; tiles of 8 and 16 use two chains, B = 1 eight). Kernels are compiled
-on first use (about 27 s for both dtypes on 2 cores) and cached on disk (Numba's cache, with
+random 2 x 3000 dense rows at B >= 17; tiles of 8 and 16 use two chains, B = 1 eight).
+Kernels are compiled on first use (about 27 s for both dtypes on 2 cores) and cached on disk (Numba's cache, with
 loads and saves under a lock file: `core/jit.py`): one specialisation per op and dtype. Helpers
 are left to LLVM's inliner, except four that Numba inlines at its IR level (`inline="always"`):
 the few-sample forward's row loop and dX's scatter (scalar, 8-wide and its task); with those too
@@ -86,7 +86,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from .coo import Topology, check_topology
+from .coo import Topology, check_out_grad, check_topology
 from .jit import njit_cached
 
 __all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "supports", "SUPPORTED_DTYPES"]
@@ -924,8 +924,7 @@ def _check_out(out, shape: Tuple[int, ...], dtype: torch.dtype) -> None:
         raise ValueError(f"out must be a CPU tensor, got device {out.device}")
     if not out.is_contiguous():
         raise ValueError(f"out must be contiguous, got strides {out.stride()} for shape {tuple(out.shape)}")
-    if out.requires_grad:
-        raise ValueError("out must not require grad: the ops write into it outside autograd")
+    check_out_grad(out)
 
 
 # ---- host side -----------------------------------------------------------------------------------

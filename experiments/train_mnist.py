@@ -206,12 +206,19 @@ def lenet_300_100() -> nn.Sequential:
                          nn.Linear(100, 10))
 
 
-def save_trained(path, model, kind: str, config: dict, test_acc: float) -> Path:
-    """Writes a trained LeNet-300-100 (kind "dense" or "sparse"; the model or its state_dict) to
-    `path` whole, in the format `load_trained` reads; returns the path."""
-    state = model.state_dict() if isinstance(model, nn.Module) else model  # (its metadata: sparse shapes)
+def cpu_state_dict(model: nn.Module) -> dict:
+    """model.state_dict() with every tensor a detached copy on the CPU (the dict itself kept: its
+    metadata carries each sparse layer's shape)."""
+    state = model.state_dict()
     for k, v in state.items():
-        state[k] = v.detach().cpu()
+        state[k] = v.detach().cpu().clone()
+    return state
+
+
+def save_trained(path, model, kind: str, config: dict, test_acc: float) -> Path:
+    """Writes a trained LeNet-300-100 (kind "dense" or "sparse"; the model, or its
+    `cpu_state_dict`) to `path` whole, in the format `load_trained` reads; returns the path."""
+    state = cpu_state_dict(model) if isinstance(model, nn.Module) else model
     return save_torch(path, dict(model=kind, state_dict=state, config=config, test_acc=test_acc))
 
 
@@ -459,16 +466,13 @@ def train_one(kind: str, init: nn.Module, data, cfg: dict, device: torch.device,
         **mem,
         activation_bytes=act,
     )
-    if cfg["save"]:  # written by main with the CSV, after every model has trained
+    if cfg["save"]:  # main passes `trained` and writes it with the CSV, after every model has trained
         path = Path(cfg["out_dir"]) / f"train_mnist_{kind}.pt"
         row["checkpoint"] = str(path)
         if trained is None:  # (a caller of its own: written now)
             save_trained(path, model, kind, cfg, accs[-1])
         else:
-            state = model.state_dict()  # (kept whole: its metadata carries each sparse layer's shape)
-            for k, v in state.items():
-                state[k] = v.detach().cpu().clone()
-            trained[kind] = (path, state, accs[-1])
+            trained[kind] = (path, cpu_state_dict(model), accs[-1])
     if device.type == "cuda":
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
         row["peak_source"] = "torch.cuda.max_memory_allocated"

@@ -71,7 +71,7 @@ from typing import Optional
 
 import torch
 
-from snack.core.coo import REBUILD, Topology, _byte_range, check_topology
+from snack.core.coo import REBUILD, Topology, _byte_range, check_out_grad, check_topology
 from . import kernels
 from .launch import (BoundLaunch, as_kernel_array, device_properties, launch_mode, build_persistent,
                      zero, clusters_supported, max_active_clusters)
@@ -176,8 +176,7 @@ def _check_out(out, shape, dtype, device):
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
-    if out.requires_grad:
-        raise ValueError("out must not require grad: the ops write into it outside autograd")
+    check_out_grad(out)
     return out
 
 

@@ -40,6 +40,7 @@ from typing import Optional, Tuple
 import torch
 
 from snack.core import Topology, canonicalize, validate_coo, INDEX_DTYPE
+from snack.core.coo import check_out_grad
 from snack.core.reference import spmm_reference, spmm_t_reference, sddmm_reference
 
 __all__ = ["spmm", "spmm_t", "sddmm", "backward", "get_topology", "backend_name", "force_backend"]
@@ -284,8 +285,7 @@ def _out_or_new(out: Optional[torch.Tensor], like: torch.Tensor, shape) -> torch
     as the backends refuse it) or a new one like `like`."""
     if out is None:
         return like.new_empty(shape)
-    if out.requires_grad:
-        raise ValueError("out must not require grad: the ops write into it outside autograd")
+    check_out_grad(out)
     return out
 
 

@@ -72,8 +72,8 @@ class CapturedStep:
     Args:
         fn: one whole training step: zero the gradients, forward, backward, `optimizer.step()`
             (and whatever else should run at every step, e.g. adding the loss to a running sum
-            on the device). It returns a tensor, a (named) tuple / list / dict of tensors, or None. To be
-            captured it must not wait on the GPU (no `.item()`, no `if` on a tensor's value) and
+            on the device). It returns a tensor, a (named) tuple / list / dict of tensors, or
+            None. To be captured it must not wait on the GPU (no `.item()`, no `if` on a tensor's value) and
             must do the same work at every call. Zero the gradients in place
             (`zero_grad(set_to_none=False)`): eager steps between replays then accumulate into
             the tensors the graph uses.
@@ -94,10 +94,10 @@ class CapturedStep:
 
     Calling it runs one step. The first call with the model and every input on CUDA fixes the
     inputs' shapes, dtypes and devices: a later call whose inputs differ (a last, smaller batch)
-    runs fn eagerly on them, as does every call while the model or the inputs are not on CUDA. Otherwise the inputs are copied into the graph's
-    own tensors and the graph replays on the current stream. Outputs come back detached; after a
-    replay they are the graph's output tensors, which the next replay overwrites (clone what you
-    keep).
+    runs fn eagerly on them, as does every call while the model or the inputs are not on CUDA.
+    Otherwise the inputs are copied into the graph's own tensors and the graph replays on the
+    current stream. Outputs come back detached; after a replay they are the graph's output
+    tensors, which the next replay overwrites (clone what you keep).
 
     Attributes: `captures` (how many times the step was captured), `replays`, `eager_steps`
     (warm-up steps included) and `capture_s` (seconds spent capturing, the GPU synchronised

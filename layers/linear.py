@@ -149,8 +149,9 @@ class SparseLinear(nn.Module):
     The topology metadata is rebuilt (and validated, with a host sync) whenever `indices` is
     written in place through torch (torch counts such writes); a write torch does not see (through
     `.data`, a numpy view, a torch.distributed collective into the buffer) leaves the old pattern
-    in use until `torch.autograd.graph.increment_version(layer.indices)` is called; under DistributedDataParallel pass forward_sync_buffers=False (torch >= 2.13;
-    before it broadcast_buffers=False; all ranks build the same pattern from the same seed, or
+    in use until `torch.autograd.graph.increment_version(layer.indices)` is called. Under
+    DistributedDataParallel pass forward_sync_buffers=False (torch >= 2.13; before it
+    broadcast_buffers=False; all ranks build the same pattern from the same seed, or
     load it) so that it is not re-sent, and rebuilt, every step.
     """
 
