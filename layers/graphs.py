@@ -16,6 +16,7 @@ with). SET and RigL rewrite a layer's pattern in place, so a graph replays the n
 """
 from __future__ import annotations
 
+import collections
 import time
 from typing import Callable, Optional
 
@@ -50,7 +51,7 @@ def capture_stream(device=None) -> torch.cuda.Stream:
 
 def _detach(out):
     """out with every tensor detached, in containers of the same types (a namedtuple, an
-    OrderedDict and torch.return_types included)."""
+    OrderedDict, a defaultdict with its factory and torch.return_types included)."""
     if isinstance(out, torch.Tensor):
         return out.detach()
     if isinstance(out, tuple) and hasattr(type(out), "_fields"):  # a namedtuple
@@ -59,6 +60,8 @@ def _detach(out):
         return type(out)(_detach(o) for o in out)
     if isinstance(out, dict):
         d = {k: _detach(v) for k, v in out.items()}
+        if isinstance(out, collections.defaultdict):  # (its first argument is the factory)
+            return type(out)(out.default_factory, d)
         try:
             return type(out)(d)
         except TypeError:  # a mapping type that cannot be built from a dict

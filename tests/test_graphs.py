@@ -50,8 +50,9 @@ def test_on_the_cpu_it_runs_the_step_eagerly():
 
 
 def test_outputs_keep_their_container_types():
-    """A namedtuple, an OrderedDict and nested lists come back as such, every tensor detached
-    (a namedtuple used to fail after the step had run)."""
+    """A namedtuple, an OrderedDict, a defaultdict (with its factory), a torch.return_types tuple
+    and nested lists come back as such, every tensor detached (a namedtuple used to fail after the
+    step had run, a defaultdict came back a dict)."""
     import collections
     Out = collections.namedtuple("Out", "loss parts")
     model = _model("cpu")
@@ -60,11 +61,15 @@ def test_outputs_keep_their_container_types():
 
     def fn(x, y):
         loss = inner(x, y)
-        return Out(loss, [loss * 2, collections.OrderedDict(a=loss)])
+        return Out(loss, [loss * 2, collections.OrderedDict(a=loss), collections.defaultdict(list, b=loss),
+                          torch.max(loss.reshape(1), 0)])
 
     out = CapturedStep(fn, model=model, optimizer=opt)(torch.randn(4, 40), torch.randint(0, 7, (4,)))
     assert type(out) is Out and type(out.parts) is list and type(out.parts[1]) is collections.OrderedDict
-    assert not any(t.requires_grad for t in (out.loss, out.parts[0], out.parts[1]["a"]))
+    assert type(out.parts[2]) is collections.defaultdict and out.parts[2].default_factory is list
+    assert type(out.parts[3]) is type(torch.max(torch.ones(1), 0))
+    assert not any(t.requires_grad for t in (out.loss, out.parts[0], out.parts[1]["a"], out.parts[2]["b"],
+                                              out.parts[3].values))
     torch.testing.assert_close(out.parts[0], 2 * out.loss)
 
 
