@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
 import weakref
 from numbers import Integral, Real
@@ -110,6 +111,19 @@ def _static_address(indices: torch.Tensor) -> torch.Tensor:
     a host sync, at every call). Returns `indices`."""
     indices._dynamo_static_input_type = "unguarded"
     return indices
+
+
+def _loading_strictly() -> bool:
+    """The `strict` of the `nn.Module.load_state_dict` call now loading (torch passes True to every
+    module's `_load_from_state_dict` and applies strict=False only to the keys it reports
+    afterwards); True where no such call is found (a direct `_load_from_state_dict` call)."""
+    code = nn.Module.load_state_dict.__code__
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return bool(f.f_locals.get("strict", True))
+        f = f.f_back
+    return True
 
 
 @contextlib.contextmanager
@@ -316,8 +330,9 @@ class SparseLinear(nn.Module):
             bias = state_dict.get(prefix + "bias")
             if nnz != self.nnz and (
                     (self.bias is not None and isinstance(bias, torch.Tensor) and bias.shape != self.bias.shape)
-                    or (strict and (self.bias is None) != (bias is None))):
+                    or ((self.bias is None) != (bias is None) and _loading_strictly())):
                 # the load fails on the bias anyway (torch reports it): leave values and indices as they are
+                # (with strict=False a missing or unexpected bias is only reported: the load goes on)
                 with _classic_conversion():
                     return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                          unexpected_keys, error_msgs)

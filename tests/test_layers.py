@@ -422,6 +422,20 @@ def test_state_dict_of_another_nnz_loads():
         assert layer.state_dict().keys() == before.keys()
         for k, v in layer.state_dict().items():
             assert torch.equal(v, before[k])
+    # strict=False: a bias missing from the checkpoint, or one the layer lacks, is only reported,
+    # and values and indices take the checkpoint's size (torch passes strict=True to every
+    # module's _load_from_state_dict: the layer reads load_state_dict's own argument)
+    nobias = SparseLinear.from_dense(nn.Linear(20, 12, bias=False), mask=torch.rand(12, 20) < 0.3)
+    for layer, ckpt, missing, unexpected in ((SparseLinear(20, 12, sparsity=0.9), nobias.state_dict(), ["bias"], []),
+                                             (SparseLinear(20, 12, bias=False, sparsity=0.9), src.state_dict(),
+                                              [], ["bias"]),
+                                             (nn.Sequential(SparseLinear(20, 12, sparsity=0.9)),
+                                              {"0." + k: v for k, v in nobias.state_dict().items()}, ["0.bias"], [])):
+        res = layer.load_state_dict(ckpt, strict=False)
+        assert (res.missing_keys, res.unexpected_keys) == (missing, unexpected)
+        lin = layer[0] if isinstance(layer, nn.Sequential) else layer
+        ref = nobias if missing else src
+        assert lin.nnz == ref.nnz and torch.equal(lin.indices, ref.indices) and torch.equal(lin.values, ref.values)
     # loaded under inference_mode, after a backward: still trainable, the old gradient dropped
     dst = SparseLinear(20, 12, sparsity=0.9)
     dst(x).sum().backward()
