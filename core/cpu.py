@@ -1,6 +1,7 @@
 """The CPU backend: SpMM, transposed SpMM and SDDMM on a COO weight, compiled with Numba.
 
     spmm(x, topo, values)    Y  (B, out) = X W^T     Y[b, r]  = sum_k v_k X[b, c_k]
+    spmm(x, topo, values, bias=b)  Y + b, b added before half-precision results are rounded
     spmm_t(dy, topo, values) dX (B, in)  = dY W      dX[b, c] = sum_k v_k dY[b, r_k]
     sddmm(dy, x, topo)       dv (nnz,)               dv_k     = sum_b dY[b, r_k] X[b, c_k]
     spmm_t_sddmm(dy, x, topo, values, bias_grad=False)  (dX, dv[, db]): the backward in one call,
@@ -51,7 +52,7 @@ least the nnz x B elements the gathers read: a very wide layer with few non-zero
 keeps its tiles there: a tile of 8 costs it about what 8 single samples do, and scattering one
 sample at a time measured 0.5-1.6x its time at B = 2-7.)
 float32 and float64 are computed natively; float16 and bfloat16 are computed in float32 and
-rounded once at the end. Rounding: tiles of 32 and 64 sum a row's products in one chain in row
+rounded once at the end (the forward's bias, when given, added before). Rounding: tiles of 32 and 64 sum a row's products in one chain in row
 order (the order dX's scatter needs, whose bits the SpMM on W^T must give), so in float32 a row
 of thousands of non-zeros carries a few times the error of torch.mm's blocked sums (3-9x on
 random 2 x 3000 dense rows at B >= 17; tiles of 8 and 16 use two chains, B = 1 eight).
@@ -1086,6 +1087,25 @@ def _result(out: Optional[torch.Tensor], shape, dtype: torch.dtype, cdtype: torc
     return res, buf
 
 
+def _check_bias(bias, n_out: int, dtype: torch.dtype) -> None:
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if tuple(bias.shape) != (n_out,):
+        raise ValueError(f"bias must have shape ({n_out},) (out = topo.shape[0]), got {tuple(bias.shape)}")
+    if bias.dtype != dtype:
+        raise TypeError(f"bias must have x's dtype {dtype}, got {bias.dtype}")
+    if bias.device.type != "cpu":
+        raise ValueError(f"bias must be a CPU tensor, got device {bias.device}")
+
+
+def _add_bias(buf: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """buf (the kernel's sums, in the compute dtype) + bias, in place."""
+    if bias is not None:
+        with torch.no_grad():
+            buf.add_(bias)
+    return buf
+
+
 def _finish(res: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     if buf is not res:
         res.copy_(buf)
@@ -1103,40 +1123,44 @@ def _check_pair(dy, x, topo: Topology) -> None:
 
 
 def spmm(x: torch.Tensor, topo: Topology, values: torch.Tensor,
-         out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Y = X W^T on the CPU.
+         out: Optional[torch.Tensor] = None, *, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Y = X W^T (+ bias) on the CPU.
 
     Args:
         x: (B, in) CPU tensor, float32/float64/float16/bfloat16 (any strides).
         topo: `Topology` of W, shape (out, in), canonical row-major, indices on the CPU.
         values: (nnz,) CPU tensor of x's dtype, canonical row-major order.
         out: optional contiguous (B, out) CPU tensor of x's dtype, overwritten and returned.
+        bias: optional (out,) CPU tensor of x's dtype, added to the float32 (float64) sums before
+            float16 / bfloat16 results are rounded, so that they are rounded once, as F.linear's.
     Returns Y (B, out) of x's dtype. Not differentiable (the autograd Function calls the three ops).
     """
     _check_topo(topo)
     _check_dense("x", x, topo.shape[1], "in = topo.shape[1]")
     _check_values(values, topo, x.dtype)
     shape = (x.shape[0], topo.shape[0])
+    if bias is not None:
+        _check_bias(bias, shape[1], x.dtype)
     _check_out(out, shape, x.dtype)
     cdtype = _compute_dtype(x.dtype)
     res, buf = _result(out, shape, x.dtype, cdtype)
     if shape[0] == 0 or shape[1] == 0:
         return res
     if x.shape[1] == 0 or topo.nnz == 0:
-        return res.zero_()
+        return res.zero_() if bias is None else res.copy_(bias.expand_as(res))
     if shape[0] <= _FEW_MAX or _lopsided(shape[0], x.shape[1], topo.nnz):  # X as it is, gathers per sample
         n = _threads(topo.nnz * shape[0])
         split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
         with torch.no_grad(), _parallel_lock(n):
             _spmm_few_kernel(split, ptr, idx, _vector(values, cdtype), _rows(x, cdtype), buf.detach().numpy(), n > 1)
-        return _finish(res, buf)
+        return _finish(res, _add_bias(buf, bias))
     plan, width = _plan(shape[0])
     n = _threads(topo.nnz * width)
     split, ptr, idx = _csr(topo, n * _CHUNKS_PER_THREAD if n > 1 else 1)
     with torch.no_grad(), _parallel_lock(n):
         _spmm_kernel(split, ptr, idx, _vector(values, cdtype), _tiles(x, cdtype, plan, width, n > 1),
                      x.shape[1], buf.detach().numpy(), plan, n > 1, True)
-    return _finish(res, buf)
+    return _finish(res, _add_bias(buf, bias))
 
 
 def spmm_t(dy: torch.Tensor, topo: Topology, values: torch.Tensor,

@@ -395,6 +395,8 @@ def _check_tensor(name: str, t, dims: Optional[int] = None) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {t.dtype}")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}; convert it with .to_dense()")
     if dims is not None and t.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
 
@@ -584,6 +586,8 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
                          f"got {tuple(x.shape)}")
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.layout is not torch.strided:
+        raise TypeError(f"indices must be a dense (strided) tensor, got layout {indices.layout}")
     if indices.dim() != 2 or indices.shape[0] != 2:
         raise ValueError(f"indices must have shape (2, nnz), got {tuple(indices.shape)}")
     if values.shape[0] != indices.shape[1]:
@@ -621,6 +625,9 @@ def sparse_linear(x: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
         # itself, laid out as a dense (out, in) matrix. A BLAS product on that view gives the same
         # numbers (within rounding) several times faster than the sparse kernels, and allocates
         # nothing more: its weight gradient has nnz entries, as the value gradient would.
+        if result_dtype is not None:  # CPU autocast: float32 math rounded once, as the kernels do
+            with torch.autocast(dev_type, enabled=False):
+                return torch.nn.functional.linear(x, values.reshape(out_features, in_f), bias).to(result_dtype)
         return torch.nn.functional.linear(x, values.reshape(out_features, in_f), bias)
     flat = x.dim() != 2
     x2 = x.reshape(math.prod(x.shape[:-1]), in_f) if flat else x

@@ -382,6 +382,27 @@ def small():
     return coo, torch.randn(3, 8), torch.randn(3, 6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("B", [1, 3, 32])
+def test_bias_is_added_before_half_precision_results_are_rounded(gen, mode, dtype, B):
+    """Y + bias in float16 / bfloat16 is rounded once, from the float32 sums, as F.linear's: the
+    bias used to be added to the already rounded Y (a second rounding: about 30% of the outputs
+    one unit off the once-rounded exact result). Exact sums here (small integers) make the
+    once-rounded result the only right answer."""
+    out_f, in_f = 64, 48
+    coo = COO.random((out_f, in_f), density=0.3, generator=gen)
+    vals = torch.randint(-4, 5, (coo.nnz,), generator=gen).to(dtype)
+    x = torch.randint(-4, 5, (B, in_f), generator=gen).to(dtype)
+    bias = (torch.randn(out_f, generator=gen) * 300).to(dtype)      # large: Y + bias needs rounding
+    exact = spmm_reference(x.double(), coo.indices, vals.double(), out_f) + bias.double()
+    y = cpu.spmm(x, coo.topology, vals, bias=bias)
+    assert y.dtype == dtype and torch.equal(y, exact.to(dtype))
+    out = torch.full((B, out_f), float("nan"), dtype=dtype)
+    assert cpu.spmm(x, coo.topology, vals, out=out, bias=bias) is out and torch.equal(out, y)
+    empty = COO(torch.zeros(2, 0, dtype=torch.int32), torch.zeros(0, dtype=dtype), (out_f, in_f))
+    assert torch.equal(cpu.spmm(x, empty.topology, empty.values, bias=bias), bias.expand(B, out_f))
+
+
 def test_bad_inputs_spmm(small):
     coo, x, _ = small
     t, v = coo.topology, coo.values
@@ -408,6 +429,11 @@ def test_bad_inputs_spmm(small):
         (lambda: cpu.spmm(x, t, v, out=torch.empty(3, 6).numpy()), TypeError, r"out must be a torch.Tensor"),
         (lambda: cpu.spmm(x, t, v, out=torch.empty(3, 6, device="meta")), ValueError, r"out must be a CPU"),
         (lambda: cpu.spmm(x, t.to("meta"), v), ValueError, r"topo must be on the CPU.*meta"),
+        (lambda: cpu.spmm(x, t, v, bias=[0.0] * 6), TypeError, r"bias must be a torch.Tensor or None, got list"),
+        (lambda: cpu.spmm(x, t, v, bias=torch.zeros(5)), ValueError, r"bias must have shape \(6,\).*\(5,\)"),
+        (lambda: cpu.spmm(x, t, v, bias=torch.zeros(6, dtype=torch.float64)), TypeError,
+         r"bias must have x's dtype torch.float32, got torch.float64"),
+        (lambda: cpu.spmm(x, t, v, bias=torch.zeros(6, device="meta")), ValueError, r"bias must be a CPU tensor"),
     ]
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):

@@ -479,13 +479,20 @@ def test_full_count_with_a_repeated_coordinate_is_refused():
 
 
 def test_full_pattern_under_cpu_autocast_is_bf16_like_the_sparse_path():
+    """A pattern with every connection runs as F.linear on the values; under CPU autocast that
+    product is float32 math rounded once to bfloat16, as the sparse kernels give (it used to run
+    in bfloat16 under the autocast that was still on: about half the outputs differed)."""
     idx, vals = _coo(6, 8, density=1.0, seed=27, dtype=torch.float32)
     x = torch.randn(5, 8, generator=_gen(28))
     v = vals.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = sparse_linear(x, idx, v, 6)
+        b = torch.randn(6, generator=_gen(29))
+        yb = sparse_linear(x, idx, vals, 6, bias=b)
     assert y.dtype == torch.bfloat16
     assert_close_dtype(y, F.linear(x.double(), _dense(idx, vals, 6, 8).double()), torch.bfloat16)
+    assert torch.equal(y, F.linear(x, _dense(idx, vals, 6, 8)).to(torch.bfloat16))
+    assert torch.equal(yb, F.linear(x, _dense(idx, vals, 6, 8), b).to(torch.bfloat16))
     y.float().sum().backward()
     assert v.grad.dtype == torch.float32
 
@@ -766,3 +773,18 @@ def test_a_pattern_changed_in_place_between_forward_and_backward_is_refused(how)
     (x @ dense.t()).sum().backward()
     idx = layer.indices.long()
     torch.testing.assert_close(layer.values.grad, dense.grad[idx[0], idx[1]])
+
+
+def test_sparse_layout_tensors_are_refused_by_name():
+    """x, values, bias or indices in a sparse layout get a TypeError naming the argument (they
+    used to fail deep inside with torch's own messages)."""
+    idx, vals = _coo(6, 8, density=0.5, seed=30, dtype=torch.float32)
+    x = torch.randn(3, 8, generator=_gen(31))
+    b = torch.randn(6, generator=_gen(32))
+    for args, kwargs, name in (((x.to_sparse(), idx, vals, 6), {}, "x"),
+                               ((x.to_sparse_csr(), idx, vals, 6), {}, "x"),
+                               ((x, idx, vals.to_sparse(), 6), {}, "values"),
+                               ((x, idx, vals, 6), {"bias": b.to_sparse()}, "bias"),
+                               ((x, idx.to_sparse(), vals, 6), {}, "indices")):
+        with pytest.raises(TypeError, match=rf"^{name} must be a dense \(strided\) tensor, got layout torch.sparse"):
+            sparse_linear(*args, **kwargs)
