@@ -30,6 +30,37 @@ def _seed_from_torch() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
+def _generator_from(seed, generator) -> torch.Generator:
+    """The CPU torch.Generator a random pattern is drawn with (`COO.random`, `uniform_indices`):
+    `generator` itself, or a new one seeded with `seed`, or by default with a seed drawn from
+    torch's global generator (`_seed_from_torch`). At most one of them may be given.
+
+    seed: an int (numpy integers too) in [-2**63, 2**64), the range torch.Generator.manual_seed
+    takes (a negative seed is wrapped modulo 2**64, as torch does); generator: a CPU
+    torch.Generator (the pattern is drawn on the CPU whatever the device of the result).
+    Checked here, so that a bad one is named instead of failing in torch (manual_seed's
+    "Overflow when unpacking long long", randint's list of signatures for a non-generator).
+    """
+    if seed is not None and generator is not None:
+        raise ValueError("give seed or generator, not both")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != "cpu":
+            raise ValueError(f"generator must be a CPU torch.Generator (the pattern is drawn on the CPU), "
+                             f"got one on {generator.device}")
+        return generator
+    if seed is None:
+        return torch.Generator().manual_seed(_seed_from_torch())
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    seed = int(seed)  # (torch.Generator.manual_seed refuses numpy integers)
+    if not -2**63 <= seed < 2**64:
+        raise ValueError(f"seed must fit in 64 bits (torch.Generator.manual_seed takes [-2**63, 2**64)), "
+                         f"got {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
 def _check_shape(shape) -> Tuple[int, int]:
     if isinstance(shape, torch.Size):
         shape = tuple(shape)
@@ -121,6 +152,7 @@ def validate_coo(indices: torch.Tensor, values: Optional[torch.Tensor], shape) -
 
     indices: (2, nnz) integer tensor; values: (nnz,) floating tensor on the same device (or None).
     Duplicates are not checked here (that needs a sort): see `canonicalize`.
+    Meta tensors (a shape, no data) are refused with ValueError: there is no index to check.
     Returns the shape as a pair of ints.
     """
     rows, cols = _check_shape(shape)
@@ -140,6 +172,12 @@ def validate_coo(indices: torch.Tensor, values: Optional[torch.Tensor], shape) -
             raise ValueError(f"values must have shape ({nnz},) to match indices (2, {nnz}), got {tuple(values.shape)}")
         if values.device != indices.device:
             raise ValueError(f"values is on {values.device} but indices is on {indices.device}")
+    if indices.is_meta:
+        # checked before the range, whose min/max would be copied out of a tensor with no data
+        # (torch's NotImplementedError); refused even when empty, as COO.from_dense and
+        # check_mask refuse meta tensors: a checked COO or topology is one whose indices were read
+        raise ValueError("indices is on the meta device: it holds no index to check; build a COO of "
+                         "meta tensors (shapes only) with check=False")
     if nnz > 0:
         mins = indices.min(dim=1).values
         maxs = indices.max(dim=1).values
@@ -360,7 +398,9 @@ class COO:
                  with check=True `values` is checked against it, and its index range, not its
                  order); for conversions that keep one topology for several value tensors.
     Raises ValueError/TypeError naming the argument for a bad shape, dtype, device, an index out
-    of range or a duplicated coordinate.
+    of range or a duplicated coordinate. Meta tensors hold no index to check: check=True refuses
+    them (ValueError naming `indices`); a COO of shapes only is built with check=False (as
+    `SparseLinear.to_coo` does for a meta layer).
     """
 
     __slots__ = ("topology", "values")
@@ -564,23 +604,17 @@ class COO:
         from .topology import uniform_indices
         rows, cols = _check_shape(shape)
         device = check_device(device)
-        if seed is not None and generator is not None:
-            raise ValueError("give seed or generator, not both")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype must be a floating dtype (float16/bfloat16/float32/float64), got {dtype!r}")
-        if generator is None:  # without a seed, draw one from torch's global generator
-            generator = torch.Generator().manual_seed(seed if seed is not None else _seed_from_torch())
-        g = generator
+        if init not in ("normal", "ones"):
+            raise ValueError(f"init must be 'normal' or 'ones', got {init!r}")
+        # seed and generator checked last: without either, a seed is drawn from torch's global
+        # generator, which a bad argument checked after it would have advanced for nothing
+        g = _generator_from(seed, generator)
         idx = uniform_indices((rows, cols), density=density, nnz=nnz, generator=g)
         if init == "normal":
             vals = torch.randn(idx.shape[1], generator=g, dtype=torch.float64).to(dtype)
-        elif init == "ones":
-            vals = torch.ones(idx.shape[1], dtype=dtype)
         else:
-            raise ValueError(f"init must be 'normal' or 'ones', got {init!r}")
+            vals = torch.ones(idx.shape[1], dtype=dtype)
         coo = cls(idx, vals, (rows, cols), check=False)
         return coo.to(device) if device is not None else coo

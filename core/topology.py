@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .coo import _check_shape, _seed_from_torch
+from .coo import _check_shape, _generator_from
 
 __all__ = ["uniform_indices", "sample_distinct", "erdos_renyi_density", "erk_densities", "density_to_nnz"]
 
@@ -73,14 +73,12 @@ def uniform_indices(shape: Tuple[int, int], *, density: Optional[float] = None,
     """int32 (2, nnz) indices, row-major sorted, distinct, uniform over all coordinates (CPU).
 
     shape: (rows, cols); density (fraction of the coordinates, rounded to a count) or nnz (the
-    count): exactly one of them; generator (a CPU torch.Generator) or seed (an int): at most one,
-    by default a seed drawn from torch's global generator (torch.manual_seed repeats it)."""
-    if generator is not None and seed is not None:
-        raise ValueError("give seed or generator, not both")
+    count): exactly one of them; generator (a CPU torch.Generator) or seed (an int in
+    [-2**63, 2**64)): at most one, by default a seed drawn from torch's global generator
+    (torch.manual_seed repeats it). Checked as `COO.random` checks them (one helper)."""
     rows, cols = _check_shape(shape)
     k = density_to_nnz((rows, cols), density, nnz)
-    g = generator if generator is not None else torch.Generator().manual_seed(
-        seed if seed is not None else _seed_from_torch())
+    g = _generator_from(seed, generator)
     n = rows * cols
     if k == 0:
         return torch.empty(2, 0, dtype=torch.int32)

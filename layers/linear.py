@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from snack.core import INDEX_DTYPE, canonicalize, density_to_nnz, uniform_indices
 from snack.core.coo import _MAX_DIM, check_device, check_mask
-from .functional import sparse_linear
+from .functional import _FLOAT_DTYPES, sparse_linear
 
 __all__ = ["SparseLinear"]
 
@@ -83,9 +83,11 @@ def _check_features(name: str, n) -> int:
 
 
 def _check_dtype(dtype) -> None:
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype (float32, float64, float16, bfloat16) "
-                        f"or None, got {dtype!r}")
+    # the dtypes the op supports (functional's list), not any floating one: torch's float8 types
+    # are floating too, but have no uniform_ for the initialisation nor kernels for the forward
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype must be a floating torch.dtype the layer supports (float32, float64, float16, "
+                        f"bfloat16) or None, got {dtype!r}")
 
 
 def _warn_if_empty(nnz: int, shape, how: str) -> None:
@@ -223,7 +225,10 @@ class SparseLinear(nn.Module):
     # ---- properties ----------------------------------------------------------------------------
     @property
     def nnz(self) -> int:
-        """Number of stored connections (fixed for the layer's life)."""
+        """Number of stored connections. Fixed at construction (training, dynamic sparse training
+        included, changes which connections, never how many) until `load_state_dict` of a
+        checkpoint with another nnz, which gives the layer the checkpoint's (see the module
+        docstring)."""
         return int(self.indices.shape[1])
 
     @property
@@ -402,8 +407,9 @@ class SparseLinear(nn.Module):
                             f"{type(weight_or_linear).__name__}")
         if w.dim() != 2:
             raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
-        if not w.is_floating_point():
-            raise TypeError(f"weight must be a floating tensor, got {w.dtype}")
+        if w.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"weight must be a floating tensor of a dtype the layer supports (float32, float64, "
+                            f"float16, bfloat16), got {w.dtype}")
         out_f, in_f = int(w.shape[0]), int(w.shape[1])
         if not (0 < out_f <= _MAX_DIM and 0 < in_f <= _MAX_DIM):
             raise ValueError("weight_or_linear's weight must have 1 to 2**31 - 1 rows (out_features) and "

@@ -125,6 +125,27 @@ def test_values_on_other_device():
         COO(torch.tensor([[0], [0]]), torch.ones(1, device="meta"), (2, 2))
 
 
+def test_meta_tensors_are_refused_by_the_check_and_built_with_check_false():
+    # a meta tensor has a shape but no data: the range check used to copy its min/max out
+    # (torch's NotImplementedError "Cannot copy out of meta tensor"); now a ValueError naming
+    # indices, empty or not, raised by every checked path (COO, a shared topology, check_topology)
+    from snack.core.coo import check_topology
+    mi = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    mv = torch.zeros(3, device="meta")
+    for idx, vals in ((mi, mv), (mi[:, :0], mv[:0])):
+        with pytest.raises(ValueError, match="indices is on the meta device.*check=False"):
+            COO(idx, vals, (3, 3))
+        with pytest.raises(ValueError, match="indices is on the meta device"):
+            validate_coo(idx, None, (3, 3))
+    topo = Topology(mi.to(INDEX_DTYPE), (3, 3))
+    with pytest.raises(ValueError, match="topo: indices is on the meta device"):
+        check_topology(topo)
+    with pytest.raises(ValueError, match="indices is on the meta device"):
+        COO(None, mv, None, topology=topo)
+    c = COO(mi.to(INDEX_DTYPE), mv, (3, 3), check=False)  # shapes only, as SparseLinear.to_coo builds
+    assert c.device.type == "meta" and c.nnz == 3 and c.shape == (3, 3)
+
+
 def test_validate_coo_returns_shape():
     assert validate_coo(torch.tensor([[0], [1]]), None, (3, 2)) == (3, 2)
     assert validate_coo(torch.zeros(2, 0, dtype=torch.int32), torch.zeros(0), (0, 0)) == (0, 0)
@@ -398,6 +419,42 @@ def test_bad_arguments_name_themselves():
     wide = torch.zeros(1, 1).expand(1, 2**31 + 5)  # (a view: no memory of that size)
     with pytest.raises(ValueError, match=r"shape\[cols\] must be in \[0, 2\*\*31 - 1\]"):
         COO.from_dense(wide)
+
+
+@pytest.mark.parametrize("seed", [2**64, -2**63 - 1, 10**30])
+def test_random_names_a_seed_outside_64_bits(seed):
+    # torch.Generator.manual_seed takes [-2**63, 2**64) and says only "Overflow when unpacking
+    # long long" outside it
+    with pytest.raises(ValueError, match=r"seed must fit in 64 bits.*got " + str(seed)):
+        COO.random((3, 4), nnz=3, seed=seed)
+
+
+def test_random_takes_every_seed_torch_takes():
+    # the ends of torch's range, and numpy integers (torch.Generator.manual_seed refuses those:
+    # "an integer is required")
+    for seed in (2**64 - 1, -2**63, 0):
+        g = torch.Generator().manual_seed(seed)
+        expect = COO.random((6, 7), nnz=5, generator=g)
+        got = COO.random((6, 7), nnz=5, seed=seed)
+        assert torch.equal(got.indices, expect.indices) and torch.equal(got.values, expect.values)
+    a, b = COO.random((6, 7), nnz=5, seed=np.int64(9)), COO.random((6, 7), nnz=5, seed=9)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+    assert torch.equal(COO.random((6, 7), nnz=5, seed=np.uint64(2**64 - 1)).indices,
+                       COO.random((6, 7), nnz=5, seed=2**64 - 1).indices)
+
+
+def test_random_checks_everything_before_drawing_from_the_global_generator():
+    # without seed or generator a seed is drawn from torch's global generator: a call refused
+    # for its dtype or init (checked before the seed; init used to be checked after the draw)
+    # leaves that generator where it was
+    torch.manual_seed(5)
+    with pytest.raises(TypeError, match="dtype must be a floating dtype"):
+        COO.random((3, 4), nnz=3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="init must be 'normal' or 'ones', got 'zeros'"):
+        COO.random((3, 4), nnz=3, init="zeros")
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(after, torch.rand(1))
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -197,3 +197,35 @@ def test_seed_and_generator_are_not_both_taken():
         uniform_indices((5, 6), nnz=4, seed=1, generator=torch.Generator().manual_seed(1))
     assert torch.equal(uniform_indices((5, 6), nnz=4, seed=1),
                        uniform_indices((5, 6), nnz=4, generator=torch.Generator().manual_seed(1)))
+
+
+class _OnCuda(torch.Generator):
+    """A CPU generator that says it is on CUDA (no GPU is needed to reach the device check)."""
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(seed=1.5), TypeError, "seed must be an int or None, got float"),
+    (dict(seed=True), TypeError, "seed must be an int or None, got bool"),  # (torch would take it as 1)
+    (dict(seed="7"), TypeError, "seed must be an int or None, got str"),
+    (dict(seed=2**64), ValueError, r"seed must fit in 64 bits.*got 18446744073709551616"),
+    (dict(seed=-2**63 - 1), ValueError, "seed must fit in 64 bits"),
+    (dict(generator=5), TypeError, "generator must be a torch.Generator or None, got int"),
+    (dict(generator=_OnCuda()), ValueError, "generator must be a CPU torch.Generator.*cuda:0"),
+])
+def test_seed_and_generator_are_checked_as_by_coo_random(kw, exc, match):
+    # torch's own errors named neither (manual_seed's "expected a long", "Overflow when unpacking
+    # long long", randint's list of signatures); the same helper checks COO.random's
+    from snack.core import COO
+    with pytest.raises(exc, match=match):
+        uniform_indices((5, 6), nnz=4, **kw)
+    with pytest.raises(exc, match=match):
+        COO.random((5, 6), nnz=4, **kw)
+
+
+def test_any_seed_torch_takes_numpy_integers_too():
+    for seed in (2**64 - 1, -2**63, np.int64(3), np.uint8(3)):
+        assert torch.equal(uniform_indices((5, 6), nnz=4, seed=seed),
+                           uniform_indices((5, 6), nnz=4, generator=torch.Generator().manual_seed(int(seed))))
