@@ -360,8 +360,8 @@ def sparsify(model: nn.Module, sparsity: float = 0.9, *, distribution: str = "un
                 with warnings.catch_warnings():  # warned below, once, with the modules' names
                     warnings.filterwarnings("ignore", message="SparseLinear .* holds no connection")
                     new = SparseLinear.from_dense(w.detach(), sparsity=layer_sparsity)
-            except ValueError as e:  # (the model is not changed: modules are replaced after the loop)
-                raise ValueError(f"sparsify: module '{name}': {e}") from e
+            except (ValueError, TypeError) as e:  # (the model is not changed: modules are replaced after the loop)
+                raise type(e)(f"sparsify: module '{name}': {e}") from e
             if new.nnz == 0:
                 empty.append(f"{name} ({w.shape[1]} -> {w.shape[0]})")
             if b is not None:

@@ -522,3 +522,13 @@ def test_densify_bad_input_and_nothing_to_do():
         snack.densify(nn.Sequential(nn.Linear(3, 2)))
     with pytest.warns(UserWarning, match="matches no SparseLinear"):
         snack.densify(nn.Sequential(SparseLinear(3, 2, sparsity=0.5)), include="nope*")
+
+
+def test_a_weight_of_an_unsupported_dtype_is_named_with_its_module():
+    """A float8 weight (floating, but without kernels) is refused with a TypeError naming the
+    module, and the model is left as it was."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    model[2].weight.data = model[2].weight.data.to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"^sparsify: module '2': weight must be a floating tensor .*float8_e4m3fn"):
+        snack.sparsify(model, sparsity=0.5)
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
