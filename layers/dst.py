@@ -35,6 +35,7 @@ the re-sort costs O(nnz log nnz) and RigL recomputes the full dense-gradient pro
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import warnings
 import weakref
@@ -48,6 +49,7 @@ import torch.nn as nn
 from snack.core.topology import sample_distinct
 
 from . import backend
+from .functional import _in_functorch
 from .linear import SparseLinear
 
 __all__ = ["DynamicSparseTraining", "SET", "RigL", "LayerUpdate", "UpdateSummary",
@@ -163,11 +165,17 @@ def _select_drop(scores: torch.Tensor, groups: Optional[torch.Tensor], counts: L
     return torch.sort(torch.cat(picked)).values
 
 
+#: the name of SparseLinear.forward's input, for a layer called with it as a keyword (layer(x=...))
+_INPUT_NAME = list(inspect.signature(SparseLinear.forward).parameters)[1]
+
+
 class _CaptureHook:
     """The forward hook of a layer under RigL: forwards to the DST object's `_capture` through a
     weak reference (the layer does not keep the DST object, its optimizer or its activations
     alive) and pickles / deep-copies as a no-op hook, so torch.save(model) and
-    copy.deepcopy(model) neither drag the DST object along nor feed it from the copy."""
+    copy.deepcopy(model) neither drag the DST object along nor feed it from the copy.
+    Registered with_kwargs=True, so that the input is found also when the layer is called with it
+    as a keyword; a hook pickled before that (called without the kwargs) is taken as well."""
 
     def __init__(self, dst: Optional["DynamicSparseTraining"] = None):
         self._ref = weakref.ref(dst) if dst is not None else None
@@ -180,10 +188,12 @@ class _CaptureHook:
         """Whether a DST object is behind this hook (False in a copy, or once that object is gone)."""
         return self._target() is not None
 
-    def __call__(self, module, inputs, output):
+    def __call__(self, module, inputs, *rest):
+        # (module, args, kwargs, output) as registered; (module, args, output) from an older pickle
         dst = self._target()
         if dst is not None:
-            dst._capture(module, inputs, output)
+            kwargs, output = rest if len(rest) == 2 else ({}, rest[-1])
+            dst._capture(module, inputs, kwargs, output)
 
     def __reduce__(self):
         return (_CaptureHook, ())
@@ -221,16 +231,17 @@ class DynamicSparseTraining:
         drop_fraction: fraction of each layer's connections replaced at an update, in [0, 1)
             (at t = 0 for the cosine decay).
         update_every: update every this many calls of `step()` (>= 1).
-        end_step: no update at or after this step. Default: 0.75 * total_steps when total_steps
-            is given, else updates never stop.
+        end_step: no update at or after this step. Default: max(1, int(0.75 * total_steps))
+            (75% of total_steps, floored, at least 1) when total_steps is given, else updates
+            never stop.
         total_steps: the training length in optimizer steps (only used for end_step's default).
         decay: "cosine" (f(t) = drop_fraction / 2 * (1 + cos(pi * t / end_step))) or "constant".
             The cosine needs a horizon: without end_step / total_steps the fraction is constant.
         seed: seeds this object's own CPU generator (the random choices of an update); by default
             a seed is drawn from torch's global generator, so torch.manual_seed repeats a run.
             The same seed gives the same patterns on CPU and CUDA.
-        layers: an iterable of SparseLinear modules to update instead of all those in `model`
-            (a frozen one raises ValueError).
+        layers: an iterable of SparseLinear modules (a list, an nn.ModuleList, ...; or one) to
+            update instead of all those in `model` (a frozen one raises ValueError).
         process_group: data-parallel training (torch.distributed), where every rank holds a copy
             of the model kept equal by DistributedDataParallel: the ranks' copies must change
             alike. None (default): the default group when torch.distributed is initialized with
@@ -309,8 +320,13 @@ class DynamicSparseTraining:
                 raise ValueError(f"every snack.SparseLinear of model ({type(model).__name__}) is frozen "
                                  "(values.requires_grad is False): there is nothing to train")
         else:
-            if isinstance(layers, nn.Module):
-                layers = [layers]
+            if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+                layers = [layers]  # (one layer; a ModuleList or Sequential is iterated)
+            try:
+                layers = iter(layers)
+            except TypeError:
+                raise TypeError("layers must be an iterable of snack.SparseLinear modules (or one "
+                                f"SparseLinear), got {type(layers).__name__}") from None
             found = []
             for i, m in enumerate(layers):
                 if not isinstance(m, SparseLinear):
@@ -362,7 +378,7 @@ class DynamicSparseTraining:
         self._hooks = []
         if self.needs_gradient:
             for _, m in self.layers:
-                self._hooks.append(m.register_forward_hook(_CaptureHook(self)))
+                self._hooks.append(m.register_forward_hook(_CaptureHook(self), with_kwargs=True))
 
     @staticmethod
     def _check_int(name: str, v) -> int:
@@ -462,19 +478,27 @@ class DynamicSparseTraining:
         return torch.sort(best_k).values
 
     # ---- gradient capture (RigL) --------------------------------------------------------------
-    def _capture(self, module: SparseLinear, inputs, output) -> None:
+    def _capture(self, module: SparseLinear, inputs, kwargs, output) -> None:
         # a forward hook: keeps X and (through a hook on the output) dY, on update steps only
         if self._capture_next:
-            self._keep(module, inputs, output)
+            self._keep(module, inputs, kwargs, output)
 
-    def _keep(self, module: SparseLinear, inputs, output) -> None:
+    def _keep(self, module: SparseLinear, inputs, kwargs, output) -> None:
         # eager even in a compiled model (a graph break on update steps only): traced, the hook
         # on the output cannot be captured and the growing record lists would force recompiles.
         # `_disable_keep_in_compiled_code` wraps it in torch.compiler.disable when the first DST
         # object is made (not at import: that imports torch._dynamo, ~1 s)
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
             return
-        x = inputs[0].detach().reshape(-1, module.in_features)
+        # inside a torch.func transform (grad, vmap, jvp, ...: per-sample gradients) X and dY are
+        # the transform's wrappers, which must not outlive it (scoring them after it raises): the
+        # call is not captured, as a forward without backward is not
+        if _in_functorch():
+            return
+        x = inputs[0] if inputs else kwargs.get(_INPUT_NAME)   # layer(x) or layer(x=x)
+        if not isinstance(x, torch.Tensor):
+            return
+        x = x.detach().reshape(-1, module.in_features)
         rec = [x, None]
         self._captured.setdefault(id(module), []).append(rec)
 
@@ -512,32 +536,31 @@ class DynamicSparseTraining:
         skipped, frozen = [], []
         try:
             with torch.no_grad(), self._no_autocast():
-                missing = set()
-                if f > 0.0:
-                    try:
-                        missing = self._check_finite(t)
-                    except ValueError:
-                        self._step -= 1  # (this call did not happen: state as before it)
-                        raise
+                missing = self._check_finite(t) if f > 0.0 else set()
                 plans = [self._plan_layer(name, layer, f, missing) for name, layer in self.layers]
                 if self.process_group is not None:
-                    try:
-                        self._check_agreement(t, plans)
-                    except RuntimeError:
-                        self._step -= 1
-                        raise
+                    self._check_agreement(t, plans)
                 for (name, layer), (row, work) in zip(self.layers, plans):
                     if work is not None:
                         self._rewire(layer, *work)
                     if row.skipped:
                         (frozen if row.skipped == "frozen" else skipped).append(name or "<model>")
                     summary.layers.append(row)
+        except BaseException:
+            # whatever failed (NaN / inf, the ranks' disagreement, a grow_scores of a subclass,
+            # memory), this call did not happen: the step count as before it, so that the next
+            # call is this update step again (the checks above raise before any layer changes)
+            self._step -= 1
+            raise
         finally:
+            # the records are dropped on failure too: kept, they would be added to the next
+            # forward/backward's (their NaN / inf refusing every later try of this update)
             self._captured.clear()
         if skipped:
             warnings.warn(f"{type(self).__name__} step {t}: no gradient was captured for layer(s) "
                           f"{', '.join(skipped)} (run forward and backward of the step before "
-                          "dst.step()); their connections were left unchanged", RuntimeWarning,
+                          "dst.step(); a backward inside torch.func.grad / vmap is not captured); "
+                          "their connections were left unchanged", RuntimeWarning,
                           stacklevel=2)
         if frozen:
             warnings.warn(f"{type(self).__name__} step {t}: layer(s) {', '.join(frozen)} are frozen "
@@ -556,13 +579,16 @@ class DynamicSparseTraining:
         return stack
 
     def _check_finite(self, t: int) -> set:
-        """Raises ValueError, before any layer changes, where a layer's values (or the inputs and
-        output gradients captured for its grow scores) hold NaN: pruning and regrowing would rank
-        NaN, i.e. rewire at random. Returns the ids of the layers that need a captured gradient
-        and have none. With a process group both are agreed over the ranks (NaN or no gradient
-        on one rank counts for all). One host sync per device (and one collective)."""
+        """Raises ValueError, before any layer changes, where a layer's values hold NaN or the
+        inputs and output gradients captured for its grow scores hold NaN or inf: pruning and
+        regrowing would rank NaN, i.e. rewire at random (an inf captured becomes NaN in dY^T X
+        where it meets a 0, e.g. a ReLU's zeros: an fp16 backward that overflowed). An inf in the
+        values is ranked as the largest magnitude (kept), as `from_dense` prunes it. Returns the
+        ids of the layers that need a captured gradient and have none. With a process group both
+        are agreed over the ranks (NaN or no gradient on one rank counts for all). One host sync
+        per device (and one collective)."""
         whats = ("values", "its captured input", "its captured output gradient")
-        flags = {}  # device -> [(0-d flag, slot)]; per layer 4 slots: 3 NaN kinds, no gradient
+        flags = {}  # device -> [(0-d flag, slot)]; per layer 4 slots: 3 NaN / inf kinds, no gradient
         vec = torch.zeros(4 * len(self.layers), dtype=torch.int64)
         for i, (name, layer) in enumerate(self.layers):
             tensors = [(0, layer.values)]
@@ -572,7 +598,8 @@ class DynamicSparseTraining:
                     tensors += [(1, x), (2, dy)]
                 vec[4 * i + 3] = int(not recs)
             for kind, v in tensors:
-                flags.setdefault(v.device, []).append((torch.isnan(v.detach()).any(), 4 * i + kind))
+                bad = torch.isnan(v.detach()) if kind == 0 else ~torch.isfinite(v)
+                flags.setdefault(v.device, []).append((bad.any(), 4 * i + kind))
         for items in flags.values():
             vals = torch.stack([f for f, _ in items]).cpu().tolist()
             for on, (_, slot) in zip(vals, items):
@@ -584,9 +611,17 @@ class DynamicSparseTraining:
             for kind in range(3):
                 if vec[4 * i + kind]:
                     where = " (on at least one rank)" if self.process_group is not None else ""
-                    raise ValueError(f"{type(self).__name__} step {t}: layer '{name or '<model>'}': "
-                                     f"{whats[kind]} hold(s) NaN{where} (has training diverged?); pruning "
-                                     "and regrowing cannot rank NaN, so no layer was changed")
+                    head = f"{type(self).__name__} step {t}: layer '{name or '<model>'}': {whats[kind]}"
+                    if kind == 0:
+                        raise ValueError(f"{head} hold(s) NaN{where} (has training diverged?); pruning and "
+                                         "regrowing cannot rank NaN, so no layer was changed and the step "
+                                         "was not counted")
+                    raise ValueError(f"{head} hold(s) NaN or inf{where} (has training diverged, or did an "
+                                     "fp16 backward overflow?); RigL's grow scores dY^T X would hold NaN, so "
+                                     "no layer was changed and the step was not counted. The captured "
+                                     "records are dropped: the next call makes this update from its own "
+                                     "forward and backward (with torch.amp.GradScaler, catch this error on "
+                                     "a step whose optimizer step the scaler skipped)")
         return {id(layer) for i, (_, layer) in enumerate(self.layers) if vec[4 * i + 3]}
 
     # ---- data-parallel ranks ------------------------------------------------------------------
@@ -805,8 +840,9 @@ class RigL(DynamicSparseTraining):
     Args: as `DynamicSparseTraining`, plus
         grad_block_numel: the most (out, in) grid entries scored at once (default 2**21).
     The capture runs eagerly, also inside a compiled model on update steps (a graph break there,
-    so not with `fullgraph=True`); a replayed CUDA graph is not seen. A layer that produced no
-    gradient before an update step is left unchanged, with a warning.
+    so not with `fullgraph=True`); a replayed CUDA graph is not seen, nor is a call inside a
+    torch.func transform (grad, vmap: per-sample gradients; their tensors cannot outlive it).
+    A layer that produced no gradient before an update step is left unchanged, with a warning.
     """
 
     needs_gradient = True

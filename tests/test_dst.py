@@ -366,6 +366,181 @@ def test_nan_stops_the_update_before_any_layer_changes(cls, where):
     dst.remove_hooks()
 
 
+@pytest.mark.parametrize("where", ["gradient", "input"])
+def test_rigl_refuses_inf_in_what_it_captured(where):
+    """An inf in a captured output gradient (an fp16 backward that overflowed: GradScaler skips the
+    optimizer step, the loop may still call dst.step()) or input meets the ReLU's zeros in dY^T X
+    as inf * 0 = NaN, which torch.topk ranks highest: the update step raises ValueError naming the
+    layer, changes nothing, is not counted and drops the records, so that the next forward and
+    backward make the same update step from their own gradient."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    dst = RigL(model, opt, update_every=1, seed=0, decay="constant")
+    layers = _sparse(model)
+    (x, y), = _data(1)
+    if where == "input":
+        x[0, 0] = float("inf")                   # layer 0's captured X (the loss made finite)
+    out = model(x).nan_to_num(0.0, 0.0, 0.0)
+    g = torch.randn_like(out)
+    if where == "gradient":
+        g[0, 0] = float("inf")                   # reaches every layer's captured dY
+    out.backward(g)
+    assert not any(bool(torch.isnan(t).any()) for recs in dst._captured.values() for r in recs for t in r)
+    match = f"layer '0': its captured {'output gradient' if where == 'gradient' else 'input'} hold.s. NaN or inf"
+    before = [l.indices.clone() for l in layers]
+    with pytest.raises(ValueError, match=match + r".*not counted.*GradScaler"):
+        dst.step()
+    assert dst.num_steps == 0 and not dst._captured
+    assert all(torch.equal(b, l.indices) for b, l in zip(before, layers))
+    opt.zero_grad()                              # (the inf gradient, as GradScaler would drop it)
+    _train_step(model, opt, *_data(1)[0])
+    s = dst.step()
+    assert s.step == 1 and s.grown > 0 and dst.num_steps == 1
+
+
+def test_rigl_under_a_grad_scaler_whose_first_steps_overflow():
+    """The README's recipe for torch.amp.GradScaler with fp16 autocast: on an update step whose
+    backward overflowed (the captured fp16 dY holds inf, the scaler skips the optimizer step)
+    dst.step() raises ValueError, which the loop catches; the update is then made, once, from the
+    next step's finite gradient (it was made from the NaN scores before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SparseLinear(16, 12, sparsity=0.7), nn.ReLU(), SparseLinear(12, 4, sparsity=0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)   # overflows fp16 at first
+    dst = RigL(model, opt, update_every=1, seed=0, decay="constant")
+    x, y = torch.randn(8, 16) * 4, torch.randint(0, 4, (8,))
+    refused, updates = 0, []
+    for _ in range(40):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        scaler.scale(F.cross_entropy(out.float(), y)).backward()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        try:
+            s = dst.step()
+        except ValueError as e:
+            assert scaler.get_scale() < scale and "NaN or inf" in str(e)   # a skipped step only
+            refused += 1
+            continue
+        updates.append(s.step)
+        if s.grown:
+            break
+    assert refused > 0 and updates == [1] and dst.num_steps == 1
+    assert all(torch.isfinite(l.values).all() for l in _sparse(model))
+
+
+@pytest.mark.parametrize("cls", [SET, RigL])
+def test_inf_in_the_values_is_ranked_not_refused(cls):
+    """Unlike NaN, an inf value has a magnitude: it is kept as the largest (as from_dense prunes
+    it), the update goes on; only what RigL captured for its scores must be finite (a single
+    layer, whose output gradient stays finite here: in a deeper model the inf reaches the other
+    layers' captured dY and X, which are refused)."""
+    layer = SparseLinear(20, 10, sparsity=0.7)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = cls(layer, opt, update_every=1, seed=0, decay="constant")
+    with torch.no_grad():
+        layer.values[3] = -float("inf")
+    key = int(_keys(layer)[3])
+    layer(_data(1)[0][0]).sum().backward()      # a finite output gradient
+    assert dst.step().grown > 0 and key in set(_keys(layer).tolist())
+
+
+def test_rigl_does_not_capture_inside_torch_func_transforms():
+    """Per-sample gradients with torch.func.vmap(grad(...)) through layers under RigL: the hook
+    keeps nothing inside a transform (its tensors cannot outlive it: scoring them raised), so an
+    update step after it behaves as one without backward (layers unchanged, a warning); an
+    ordinary backward in the same step is captured alone, giving the pattern it gives without
+    the transform."""
+    from torch.func import functional_call, grad, vmap
+
+    def run(with_func):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        dst = RigL(model, opt, update_every=1, seed=0, decay="constant")
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        (x, y), = _data(1)
+
+        def loss(p, xi, yi):
+            return F.mse_loss(functional_call(model, p, (xi[None],)), yi[None])
+        if with_func:
+            before = [l.indices.clone() for l in _sparse(model)]
+            per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+            assert per_sample["0.values"].shape == (8, _sparse(model)[0].nnz)
+            assert not dst._captured
+            with pytest.warns(RuntimeWarning, match="no gradient was captured.*torch.func"):
+                s = dst.step()
+            assert all(r.skipped == "no gradient captured" for r in s.layers) and dst.num_steps == 1
+            assert all(torch.equal(b, l.indices) for b, l in zip(before, _sparse(model)))
+            grad(loss)(params, x[0], y[0])               # then the transform and a backward
+        else:                                            # the same step count, nothing captured
+            with pytest.warns(RuntimeWarning, match="no gradient was captured"):
+                dst.step()
+        F.mse_loss(model(x), y).backward()
+        assert dst.step().grown > 0
+        return [l.indices.clone() for l in _sparse(model)]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
+@pytest.mark.parametrize("cls", [SET, RigL])
+def test_a_failing_update_is_not_counted(cls, monkeypatch):
+    """Whatever raises inside an update step (here a RuntimeError from the growth, as a subclass's
+    grow_scores might), the call did not happen: the step count is as before it (the next call
+    is the same update step), the captured records are dropped, no layer changed."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    dst = cls(model, opt, update_every=2, seed=0, decay="constant")
+    data = _data(2)
+    _train_step(model, opt, *data[0])
+    assert dst.step() is None
+    _train_step(model, opt, *data[1])
+
+    def boom(*args):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(cls, "grow", boom)
+    before = [l.indices.clone() for l in _sparse(model)]
+    with pytest.raises(RuntimeError, match="boom"):
+        dst.step()
+    assert dst.num_steps == 1 and not dst._captured
+    assert all(torch.equal(b, l.indices) for b, l in zip(before, _sparse(model)))
+    monkeypatch.undo()
+    _train_step(model, opt, *data[1])             # captured again: step 2 is still to come
+    s = dst.step()
+    assert s.step == 2 and s.grown > 0 and all(not r.skipped for r in s.layers)
+
+
+def test_rigl_captures_an_input_given_as_a_keyword():
+    """layer(x=...) (the keyword of SparseLinear.forward) under RigL: the hook finds the input by
+    keyword as by position (it read inputs[0], an IndexError in the user's forward), and the
+    update is the one of the positional call."""
+    def run(keyword):
+        layer = SparseLinear.from_dense(torch.randn(6, 8, generator=_gen(2)), sparsity=0.5)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+        dst = RigL(layer, opt, update_every=1, drop_fraction=0.3, decay="constant", seed=0)
+        x = torch.randn(5, 8, generator=_gen(3))
+        (layer(x=x) if keyword else layer(x)).pow(2).sum().backward()
+        assert dst.step().grown > 0
+        return layer.indices.clone()
+
+    assert torch.equal(run(True), run(False))
+
+
+def test_a_capture_hook_pickled_without_kwargs_still_captures():
+    """A hook registered before the kwargs form (a model pickled by an older snack) is called
+    as (module, args, output): it forwards just the same."""
+    from snack.layers.dst import _CaptureHook
+    layer = SparseLinear(8, 6, sparsity=0.5)
+    dst = RigL(layer, torch.optim.SGD(layer.parameters(), lr=0.0), update_every=1)
+    x = torch.randn(3, 8)
+    out = layer.forward(x)                       # no hook: called by hand below
+    _CaptureHook(dst)(layer, (x,), out)
+    assert len(dst._captured[id(layer)]) == 1
+    _CaptureHook()(layer, (x,), out)             # a copy's no-op hook, either form
+    _CaptureHook()(layer, (x,), {}, out)
+    assert len(dst._captured[id(layer)]) == 1
+
 def test_rigl_hooks_do_not_follow_copies_of_the_model():
     import io
     model = _mlp()
@@ -549,6 +724,10 @@ def test_layers_argument_selects_layers():
     dst.step()
     assert torch.equal(before[0], l1.indices) and torch.equal(before[1], l3.indices)
     assert not torch.equal(before[2], l2.indices)
+    # one layer, or a ModuleList of them (iterated, not taken as one module)
+    for layers, want in ((l3, [l3]), (nn.ModuleList([l1, l3]), [l1, l3])):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        assert [m for _, m in SET(model, opt, layers=layers, seed=0).layers] == want
 
 
 def test_rank_sampling_helpers():
@@ -612,14 +791,15 @@ def _bad_cases():
         (dict(seed="a"), TypeError, "seed"),
         (dict(layers=[nn.Linear(2, 2)]), TypeError, r"layers\[0\]"),
         (dict(layers=[]), ValueError, "layers is empty"),
+        (dict(layers=5), TypeError, "layers must be an iterable of snack.SparseLinear modules .*got int"),
     ]
 
 
-@pytest.mark.parametrize("case", range(16))
+@pytest.mark.parametrize("case", range(17))
 @pytest.mark.parametrize("cls", [SET, RigL])
 def test_bad_arguments_raise(cls, case):
     m, ok, cases = _bad_cases()
-    assert len(cases) == 16
+    assert len(cases) == 17
     kw, exc, match = cases[case]
     args = dict(model=m, optimizer=ok)
     args.update(kw)
@@ -774,6 +954,18 @@ def test_frozen_layers_keep_their_pattern(cls):
         l.values.requires_grad_(False)
     with pytest.raises(ValueError, match="every snack.SparseLinear .* is frozen"):
         cls(model, opt)
+
+
+def test_default_end_step_is_three_quarters_of_total_steps_floored_at_least_1():
+    """end_step's default is max(1, int(0.75 * total_steps)), as the docstring says (it said
+    0.75 * total_steps, which for total_steps=10 is 7.5, not the 7 used)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                 # (no update ever happens for the small ones)
+        got = {n: SET(model, opt, total_steps=n).end_step for n in (1, 2, 3, 10, 101)}
+    assert got == {1: 1, 2: 1, 3: 2, 10: 7, 101: 75}
+    assert "max(1, int(0.75 * total_steps))" in " ".join(DynamicSparseTraining.__doc__.split())
 
 
 def test_schedule_without_any_update_warns():
