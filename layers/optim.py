@@ -22,7 +22,7 @@ parameters' device), as long as the state exists before capture (one eager step)
 torch's optimizers. The hyper-parameters are read at every eager step (learning-rate schedulers
 work as with torch's); a captured graph replays those of the step it captured. Anything the kernel does not cover (CPU or non-float32 parameters, sparse
 gradients, amsgrad, maximize, differentiable, a tensor learning rate, parameters that share
-memory) makes `step()` run torch's
+memory, sparse, lazy (uninitialized) or DTensor parameters as FSDP2 makes) makes `step()` run torch's
 own implementation for that call, with the same results; so do steps under torch.amp.GradScaler
 with `fused=True` (the scaler then passes its scale and inf flag to the step).
 """
@@ -36,6 +36,7 @@ from typing import Callable, List, Optional
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks as _global_post_hooks
 from torch.optim.optimizer import _global_optimizer_pre_hooks as _global_pre_hooks
+from torch.nn.parameter import is_lazy
 
 from snack.core.coo import _span
 
@@ -67,6 +68,20 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+_PYTHON_KEY = torch._C.DispatchKey.Python
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether t is an ordinary strided tensor whose elements live in memory of its own, which
+    the kernel can read and `_span` can locate. Not so: sparse layouts, a lazy module's
+    UninitializedParameter (no storage until its first forward) and tensor subclasses with a
+    __torch_dispatch__ (DTensor, as FSDP2 and tensor parallelism make parameters: their storage
+    cannot be reached from Python, and the elements are not all in it); torch's step takes those."""
+    if type(t) is torch.nn.Parameter or type(t) is torch.Tensor:  # (the common case: one compare)
+        return t.layout is torch.strided
+    return t.layout is torch.strided and not is_lazy(t) and not torch._C._dispatch_keys(t).has(_PYTHON_KEY)
+
+
 class _SnackAdamStep:
     """step() of Adam and AdamW on snack.gpu.adam_step; falls back to the torch base class."""
 
@@ -79,14 +94,19 @@ class _SnackAdamStep:
     def _shares_memory(self) -> bool:
         """Whether two of the parameters share memory (one given twice, two Parameters on one
         storage): the kernel updates two parameters per launch at once, torch's step one after the
-        other, so those take torch's step. Found once per layout (`add_param_group` resets it)."""
+        other, so those take torch's step. Found once per layout (`add_param_group` resets it).
+        Parameters that are not `_plain` have no storage to compare (and take torch's step
+        anyway: `_param_ok`); while a lazy module's parameter is still uninitialized the answer is
+        not kept, so the parameter is compared once its first forward has made it."""
         shared = self.__dict__.get("_snack_shared")
         if shared is None:
-            spans = sorted(s for g in self.param_groups for p in g["params"]
-                           if p.device.type != "meta" and (s := _span(p)) is not None)
+            params = [p for g in self.param_groups for p in g["params"]]
+            spans = sorted(s for p in params
+                           if p.device.type != "meta" and _plain(p) and (s := _span(p)) is not None)
             # (sorted by start, any two that meet leave two neighbours that meet)
             shared = any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
-            self.__dict__["_snack_shared"] = shared
+            if not any(is_lazy(p) for p in params):
+                self.__dict__["_snack_shared"] = shared
         return shared
 
     def _group_ok(self, group: dict) -> bool:
@@ -101,10 +121,11 @@ class _SnackAdamStep:
     def _param_ok(self, p: torch.Tensor, dev_type: str) -> bool:
         g = p.grad
         dev = p.device
-        if p.dtype is not torch.float32 or dev.type != dev_type or not p.is_contiguous():
+        if p.dtype is not torch.float32 or dev.type != dev_type or not _plain(p) or not p.is_contiguous():
             return False
         shape = p.shape
-        if g.is_sparse or g.dtype is not torch.float32 or not g.is_contiguous() or g.shape != shape:
+        if (g.is_sparse or not _plain(g) or g.dtype is not torch.float32 or not g.is_contiguous()
+                or g.shape != shape):
             return False
         state = self.state.get(p)
         if state:

@@ -170,6 +170,82 @@ def test_bad_arguments_are_torchs():
         snack.optim.AdamW(_model().parameters(), betas=(1.5, 0.9))
 
 
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_lazy_and_sparse_parameters_take_torchs_step(name):
+    # the shared-memory check reads every parameter's storage: a lazy module's parameter before
+    # its first forward (a branch not run yet) has none and raised ValueError at the step; a
+    # sparse parameter raised "Cannot access data pointer" instead of torch's own error
+    out = []
+    for cls in (getattr(snack.optim, name), getattr(torch.optim, name)):
+        torch.manual_seed(0)
+        used, later = torch.nn.Linear(4, 3), torch.nn.LazyLinear(2)
+        with warnings.catch_warnings():  # (torch warns of lazy modules given to an optimizer)
+            warnings.simplefilter("ignore")
+            opt = cls([*used.parameters(), *later.parameters()], lr=0.1)
+        x = torch.ones(2, 4)
+        for i in range(3):
+            opt.zero_grad()
+            y = used(x)
+            (y.sum() + (later(y).sum() if i else 0)).backward()  # the lazy branch from step 2 on
+            opt.step()
+        out.append([p.detach().clone() for p in (*used.parameters(), *later.parameters())])
+    for p, q in zip(*out):
+        assert torch.equal(p, q)
+    errors = []
+    for cls in (getattr(snack.optim, name), getattr(torch.optim, name)):
+        p = torch.nn.Parameter(torch.eye(3).to_sparse())
+        opt = cls([p])
+        p.grad = torch.eye(3).to_sparse()
+        with pytest.raises(RuntimeError) as e:
+            opt.step()
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "sparse" in errors[0]
+
+
+_FSDP2 = """
+import sys, torch, torch.distributed as dist, snack
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+out = []
+for cls in (snack.optim.Adam, torch.optim.Adam, snack.optim.AdamW, torch.optim.AdamW):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    fully_shard(m, mesh=mesh)  # the parameters become DTensors
+    opt = cls(m.parameters(), lr=0.1, weight_decay=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.ones(3, 8)).square().sum().backward()
+        opt.step()
+    out.append([p.full_tensor() for p in m.parameters()])
+for a, b in (out[:2], out[2:]):
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+dist.destroy_process_group()
+print("same")
+"""
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="needs torch.distributed with gloo")
+@pytest.mark.parametrize("sim", [False, True])
+def test_fsdp2_dtensor_parameters_take_torchs_step(tmp_path, sim):
+    # FSDP2 (fully_shard) makes parameters DTensors, whose storage cannot be reached from Python:
+    # the shared-memory check raised at every step, on the CPU too, and the kernel path (here
+    # under Numba's simulator, where CPU tensors take it) read them as plain tensors. A one-rank
+    # gloo group in a child process (the process group stays out of this one)
+    import subprocess
+    import sys
+    env = real_cuda_env(CUDA_VISIBLE_DEVICES="")
+    if sim:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    out = subprocess.run([sys.executable, "-c", _FSDP2, str(tmp_path / "init")], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("same")
+
+
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])
 def test_compiled_step_matches_torchs(name):
     # torch.compile of step() (the hook wrapper is made once, so dynamo's guards on it hold)
