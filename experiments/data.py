@@ -10,7 +10,8 @@ under a git-ignored folder as uint8 in compressed `.npz` files (one per split, e
 `.npy` arrays `images` and `labels`): 12 MB for all of MNIST instead of 55 MB raw, so the cache
 fits beside other files in a 64 MiB transfer to a machine that lacks the packages, for 0.2 s of
 decompression per load. Arrays become float32 only when loaded. The cache is trusted as it is:
-delete the folder to rebuild it.
+delete the folder to rebuild it. A cache that cannot be written (SNACK_DATA_CACHE naming a file or
+a read-only place) is only a warning: the arrays are parsed again at the next load.
 
     from experiments.data import load
     x, y = load("mnist", "train")      # x float32 (60000, 784) normalised, y int64 (60000,)
@@ -21,6 +22,7 @@ import gzip
 import importlib.util
 import os
 import struct
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Optional, Tuple
@@ -28,7 +30,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-__all__ = ["DATASETS", "SPLITS", "DatasetNotFoundError", "cache_dir", "cache_file", "load", "load_arrays",
+__all__ = ["DATASETS", "SPLITS", "DataFileError", "DatasetNotFoundError", "cache_dir", "cache_file", "load", "load_arrays",
            "mnist_csv_dir", "FASHION_MNIST_DIR"]
 
 SPLITS = ("train", "test")
@@ -50,6 +52,11 @@ _FASHION_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-uby
 
 class DatasetNotFoundError(FileNotFoundError):
     """The data set is neither cached nor installed; the message names the install command."""
+
+
+class DataFileError(ValueError):
+    """A cached or installed data file cannot be read or holds malformed arrays; the message names
+    the file (and, for the cache, that deleting it rebuilds it)."""
 
 
 def cache_dir() -> Path:
@@ -86,10 +93,10 @@ def _parse_mnist_csv(path: Path) -> Tuple[np.ndarray, np.ndarray]:
         body = f.read().strip()
     flat = np.fromstring(body.replace(b"\n", b","), dtype=np.int16, sep=",")
     if flat.size % (IMAGE_SIZE + 1):
-        raise ValueError(f"{path}: {flat.size} numbers is not a whole number of rows of {IMAGE_SIZE + 1}")
+        raise DataFileError(f"{path}: {flat.size} numbers is not a whole number of rows of {IMAGE_SIZE + 1}")
     table = flat.reshape(-1, IMAGE_SIZE + 1)
     if table.size and (table.min() < 0 or table.max() > 255):
-        raise ValueError(f"{path}: values must lie in [0, 255], got [{table.min()}, {table.max()}]")
+        raise DataFileError(f"{path}: values must lie in [0, 255], got [{table.min()}, {table.max()}]")
     table = table.astype(np.uint8)
     return np.ascontiguousarray(table[:, 1:]), np.ascontiguousarray(table[:, 0])
 
@@ -99,15 +106,15 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
     with gzip.open(path, "rb") as f:
         raw = f.read()
     if len(raw) < 8:
-        raise ValueError(f"{path}: too short for an idx header ({len(raw)} bytes)")
+        raise DataFileError(f"{path}: too short for an idx header ({len(raw)} bytes)")
     got, = struct.unpack(">i", raw[:4])
     if got != magic:
-        raise ValueError(f"{path}: idx magic number must be {magic}, got {got}")
+        raise DataFileError(f"{path}: idx magic number must be {magic}, got {got}")
     ndim = magic & 0xFF
     dims = struct.unpack(f">{ndim}i", raw[4:4 + 4 * ndim])
     data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
     if data.size != int(np.prod(dims)):
-        raise ValueError(f"{path}: header says shape {dims} but holds {data.size} bytes of data")
+        raise DataFileError(f"{path}: header says shape {dims} but holds {data.size} bytes of data")
     return data.reshape(dims).copy()  # frombuffer is read-only; torch wants writable arrays
 
 
@@ -122,7 +129,7 @@ def _parse_fashion(split: str, root: Optional[Path] = None) -> Tuple[np.ndarray,
     images = _read_idx(img_path, 2051)
     labels = _read_idx(lab_path, 2049)
     if images.shape[0] != labels.shape[0]:
-        raise ValueError(f"{img_path} holds {images.shape[0]} images but {lab_path} {labels.shape[0]} labels")
+        raise DataFileError(f"{img_path} holds {images.shape[0]} images but {lab_path} {labels.shape[0]} labels")
     return np.ascontiguousarray(images.reshape(images.shape[0], -1)), np.ascontiguousarray(labels)
 
 
@@ -153,9 +160,10 @@ def load_arrays(name: str = "mnist", split: str = "train", *, use_cache: bool = 
                 ) -> Tuple[np.ndarray, np.ndarray]:
     """Raw arrays: images uint8 (N, 784), labels uint8 (N,) in [0, 10).
 
-    Read from the cache when it is there, else parsed from the installed package and cached.
-    Raises DatasetNotFoundError (a FileNotFoundError) naming the pip/apt command when the data
-    is neither cached nor installed, ValueError for an unknown name/split or a malformed file.
+    Read from the cache when it is there, else parsed from the installed package and cached (a
+    cache that cannot be written: a warning). Raises DatasetNotFoundError (a FileNotFoundError)
+    naming the pip/apt command when the data is neither cached nor installed, DataFileError (a
+    ValueError) for a damaged or malformed file, ValueError for an unknown name/split.
     """
     path = cache_file(name, split)
     if use_cache and path.is_file():
@@ -163,17 +171,22 @@ def load_arrays(name: str = "mnist", split: str = "train", *, use_cache: bool = 
             with np.load(path, allow_pickle=False) as f:
                 images, labels = f["images"], f["labels"]
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-            raise ValueError(f"the cached {name}/{split} file {path} cannot be read ({type(e).__name__}: {e}); "
+            raise DataFileError(f"the cached {name}/{split} file {path} cannot be read ({type(e).__name__}: {e}); "
                              "delete it to rebuild the cache") from e
     else:
         images, labels = _parse(name, split)
         if use_cache:
-            _save_atomic(path, images, labels)
+            try:
+                _save_atomic(path, images, labels)
+            except OSError as e:  # the cache only saves time: the arrays are here all the same
+                warnings.warn(f"cannot cache {name}/{split} at {path} ({type(e).__name__}: {e}); loaded without "
+                              "it, parsed again next time (point SNACK_DATA_CACHE to a writable folder)",
+                              stacklevel=2)
     if images.dtype != np.uint8 or images.ndim != 2 or images.shape[1] != IMAGE_SIZE:
-        raise ValueError(f"{name}/{split} images must be uint8 (N, {IMAGE_SIZE}), got "
+        raise DataFileError(f"{name}/{split} images must be uint8 (N, {IMAGE_SIZE}), got "
                          f"{images.dtype} {images.shape} (delete {path} to rebuild the cache)")
     if labels.dtype != np.uint8 or labels.shape != (images.shape[0],) or (labels.size and labels.max() >= N_CLASSES):
-        raise ValueError(f"{name}/{split} labels must be ({images.shape[0]},) in [0, {N_CLASSES}), got "
+        raise DataFileError(f"{name}/{split} labels must be ({images.shape[0]},) in [0, {N_CLASSES}), got "
                          f"{labels.dtype} {labels.shape} (delete {path} to rebuild the cache)")
     return images, labels
 

@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:  # run as a script: make `experiments` importable
     sys.path.insert(0, str(ROOT))
 import snack  # noqa: E402
 from experiments.cli import bool_arg, out_arg  # noqa: E402
-from experiments.data import DatasetNotFoundError, load  # noqa: E402
+from experiments.data import DataFileError, DatasetNotFoundError, load  # noqa: E402
 from experiments.results_io import write_text  # noqa: E402
 from experiments.train_mnist import (backward_thread_name, environment, evaluate, lenet_300_100,  # noqa: E402
                                     save_trained)
@@ -215,5 +215,5 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except DatasetNotFoundError as e:
+    except (DatasetNotFoundError, DataFileError) as e:  # not installed, or a damaged file: on one line
         sys.exit(f"{Path(sys.argv[0]).name}: error: " + " ".join(str(e).split()))

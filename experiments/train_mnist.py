@@ -60,7 +60,7 @@ import snack  # noqa: E402
 from snack.layers.backend import backend_name  # noqa: E402
 from experiments.cli import bool_arg, out_arg  # noqa: E402
 from experiments.cuda_workspaces import make_cublas_workspaces  # noqa: E402
-from experiments.data import DatasetNotFoundError, load  # noqa: E402
+from experiments.data import DataFileError, DatasetNotFoundError, load  # noqa: E402
 from experiments.results_io import git_commit, save_torch, write_csv, write_text  # noqa: E402
 
 # ---- config: defaults, overridable with --key=value ------------------------------------------
@@ -69,7 +69,7 @@ OPTIONS = (  # (key, default, what it sets: the option's --help)
     ("models", "dense,sparse", "which of the two to train, comma separated, in this order"),
     ("sparsity", 0.9, "fraction of connections removed, over all layers together, in [0, 1)"),
     ("distribution", "erk", "erk | uniform: how sparsity is spread over the layers"),
-    ("dst", "none", "none | set | rigl: dynamic sparse training of the sparse model"),
+    ("dst", "none", "none | set | rigl: dynamic sparse training of the sparse model (sparsity > 0)"),
     ("drop_fraction", 0.3, "dst: fraction pruned and regrown per update (cosine decay), in [0, 1)"),
     ("update_every", 100, "dst: steps between updates"),
     ("dst_end", 0.75, "dst: no update after this fraction of training (1.0: to the end)"),
@@ -136,6 +136,8 @@ def parse_config(argv=None) -> dict:
 
 
 def _validate(cfg: dict) -> None:
+    if not str(cfg["out_dir"]).strip():  # (Path("") is the current folder: an unset shell variable's value)
+        raise ValueError("out_dir must not be empty (--out_dir=. writes into the current folder)")
     if cfg["dataset"] not in ("mnist", "fashion-mnist"):
         raise ValueError(f"dataset must be 'mnist' or 'fashion-mnist', got {cfg['dataset']!r}")
     models = [m.strip() for m in cfg["models"].split(",") if m.strip()]
@@ -150,6 +152,9 @@ def _validate(cfg: dict) -> None:
     if cfg["dst"] != "none" and "sparse" not in models:
         raise ValueError(f"dst={cfg['dst']} trains the sparse model, but models={cfg['models']} has none: "
                          "add sparse to --models or leave out --dst")
+    if cfg["dst"] != "none" and cfg["sparsity"] == 0.0:  # every coordinate held: nothing to regrow into
+        raise ValueError(f"dst={cfg['dst']} needs sparsity > 0: at sparsity 0 the sparse model holds every "
+                         "connection, with no free one to regrow into")
     if not 0.0 <= cfg["drop_fraction"] < 1.0:
         raise ValueError(f"drop_fraction must be in [0, 1), got {cfg['drop_fraction']}")
     if cfg["update_every"] < 1:
@@ -501,9 +506,14 @@ def _mb(b: int) -> str:
     return f"{b / 2**20:.2f}"
 
 
+def _sparsity(v: float) -> str:
+    """Two decimals, or as many as the value needs (0.995 is not printed as 1.00)."""
+    return f"{v:.2f}" if round(v, 2) == v else f"{v:g}"
+
+
 def print_table(rows) -> None:
     rows = [{**r, "label": r["model"] + (f"+{r['dst']}" if r["dst"] != "none" else "")} for r in rows]
-    cols = [("model", "label", str), ("sparsity", "sparsity", lambda v: f"{v:.2f}"),
+    cols = [("model", "label", str), ("sparsity", "sparsity", _sparsity),
             ("params", "params", str), ("connections", "connections", str),
             ("test acc", "test_acc", lambda v: f"{100 * v:.2f}%"),
             ("train s", "train_time_s", lambda v: f"{v:.1f}"), ("ms/step", "ms_per_step", lambda v: f"{v:.2f}"),
@@ -595,5 +605,5 @@ if __name__ == "__main__":
         sys.exit(2)
     try:
         main()
-    except DatasetNotFoundError as e:  # the data set is not installed: its install command, on one line
+    except (DatasetNotFoundError, DataFileError) as e:  # not installed, or a damaged file: on one line
         sys.exit(f"{Path(sys.argv[0]).name}: error: " + " ".join(str(e).split()))

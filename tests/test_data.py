@@ -105,8 +105,9 @@ def test_cache_is_written_then_reused(cache, monkeypatch):
 
 
 def test_a_damaged_cache_file_names_itself_and_a_failed_write_leaves_nothing(cache, monkeypatch):
-    """Truncated, empty, foreign, incomplete or wrongly typed cache files raise a ValueError naming
-    the file and how to rebuild it; a write that fails part-way leaves no temporary file."""
+    """Truncated, empty, foreign, incomplete or wrongly typed cache files raise a DataFileError (a
+    ValueError) naming the file and how to rebuild it; a write that fails part-way leaves no
+    temporary file, and only warns: the arrays parsed are returned all the same."""
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (5, data.IMAGE_SIZE), dtype=np.uint8)
     labels = rng.integers(0, 10, 5, dtype=np.uint8)
@@ -123,8 +124,9 @@ def test_a_damaged_cache_file_names_itself_and_a_failed_write_leaves_nothing(cac
     signed = buf.getvalue()
     for bad in (good[:len(good) // 2], b"", b"not an npz file", no_labels, signed):
         path.write_bytes(bad)
-        with pytest.raises(ValueError, match=f"delete.*{path.name}|{path.name}.*delete"):
+        with pytest.raises(data.DataFileError, match=f"delete.*{path.name}|{path.name}.*delete"):
             data.load_arrays("mnist", "test")
+    assert issubclass(data.DataFileError, ValueError)
     path.unlink()
 
     def fail(f, **arrays):
@@ -132,9 +134,27 @@ def test_a_damaged_cache_file_names_itself_and_a_failed_write_leaves_nothing(cac
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(np, "savez_compressed", fail)
-    with pytest.raises(OSError, match="No space left"):
-        data.load_arrays("mnist", "test")
+    with pytest.warns(UserWarning, match="cannot cache mnist/test .*No space left"):
+        got = data.load_arrays("mnist", "test")
+    np.testing.assert_array_equal(got[0], images)
     assert list(cache.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_cache_folder_that_cannot_be_made_only_warns(tmp_path, monkeypatch, where):
+    """SNACK_DATA_CACHE naming a file (or a folder below one): the data still load, with a warning
+    naming SNACK_DATA_CACHE, and the file is left as it was."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    monkeypatch.setenv("SNACK_DATA_CACHE", str(afile if where == "a file" else afile / "sub"))
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (5, data.IMAGE_SIZE), dtype=np.uint8)
+    labels = rng.integers(0, 10, 5, dtype=np.uint8)
+    monkeypatch.setattr(data, "_parse", lambda name, split: (images, labels))
+    with pytest.warns(UserWarning, match="cannot cache mnist/train .*SNACK_DATA_CACHE"):
+        x, y = data.load("mnist", "train", normalize=False)
+    assert x.shape == (5, data.IMAGE_SIZE) and torch.equal(y, torch.from_numpy(labels).long())
+    assert afile.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 def test_missing_mnist_package_names_the_pip_command(cache, monkeypatch):
@@ -186,7 +206,7 @@ def test_fashion_bad_idx_raises(cache, tmp_path, monkeypatch):
     _write_idx(root / "t10k-images-idx3-ubyte.gz", images, 2049)  # wrong magic
     _write_idx(root / "t10k-labels-idx1-ubyte.gz", labels, 2049)
     monkeypatch.setattr(data, "FASHION_MNIST_DIR", root)
-    with pytest.raises(ValueError, match="magic number must be 2051, got 2049"):
+    with pytest.raises(data.DataFileError, match="magic number must be 2051, got 2049"):
         data.load("fashion-mnist", "test")
     _write_idx(root / "t10k-images-idx3-ubyte.gz", images, 2051)
     _write_idx(root / "t10k-labels-idx1-ubyte.gz", labels[:4], 2049)  # count mismatch

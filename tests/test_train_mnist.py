@@ -193,6 +193,10 @@ def test_config_overrides():
     (["--weight_decay=-1"], "weight_decay must be a finite number >= 0"),
     (["--weight_decay=nan"], "weight_decay must be a finite number >= 0"),
     (["--seed=18446744073709551616"], "seed must fit in 64 bits"),
+    (["--sparsity=0", "--dst=set"], "dst=set needs sparsity > 0"),  # (no free coordinate: DST a no-op)
+    (["--sparsity=0", "--dst=rigl", "--models=sparse"], "dst=rigl needs sparsity > 0"),
+    (["--out_dir="], "out_dir must not be empty"),  # (else the results land in the current folder)
+    (["--out_dir= "], "out_dir must not be empty"),
 ])
 def test_bad_config_raises(argv, match):
     from experiments import train_mnist as tm
@@ -351,6 +355,31 @@ def test_summary_line_pairs_models_by_name_in_either_order(capsys):
         assert "sparse / dense: state bytes x0.150" in out and "accuracy -10.00 points" in out
     tm.print_table([dense])
     assert "sparse / dense" not in capsys.readouterr().out
+
+
+def test_table_prints_the_sparsity_the_csv_records(capsys):
+    """A sparsity of more than two decimals is printed whole, not rounded to 1.00 (or 0.99)."""
+    from experiments import train_mnist as tm
+    base = dict(model="sparse", params=10, connections=10, test_acc=0.5, train_time_s=1.0, ms_per_step=1.0,
+                weight_bytes=1, grad_bytes=1, optim_bytes=1, state_bytes=1, peak_bytes=1, dst="none")
+    for sparsity, shown in ((0.9, "0.90"), (0.0, "0.00"), (0.995, "0.995"), (0.9999, "0.9999"), (0.985, "0.985")):
+        tm.print_table([dict(base, sparsity=sparsity)])
+        row = capsys.readouterr().out.splitlines()[2].split()
+        assert row[:2] == ["sparse", shown], (sparsity, row)
+
+
+def test_a_damaged_data_cache_is_a_one_line_error(tmp_path):
+    """A cache file that cannot be read stops the script with one line naming it (no traceback)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "mnist-train.npz").write_bytes(b"not an npz file")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--progress=false", "--device=cpu",
+                        f"--out_dir={tmp_path / 'out'}"], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path, env={**os.environ, "SNACK_DATA_CACHE": str(cache)})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    (last,) = r.stderr.strip().splitlines()
+    assert last.startswith("train_mnist.py: error: ") and "mnist-train.npz" in last and "delete" in last
+    assert not (tmp_path / "out").exists()
 
 
 def test_bad_command_line_values_exit_with_one_line(tmp_path):
