@@ -106,6 +106,17 @@ def check_out_grad(out: torch.Tensor) -> None:
         raise ValueError("out must not require grad: the ops write into it outside autograd")
 
 
+def check_bias(bias, n_out: int, dtype: torch.dtype) -> None:
+    """TypeError / ValueError where an op's `bias` is not a tensor of shape (n_out,) (out_features)
+    and of the values' dtype (the CPU and GPU backends; each checks its device itself)."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if tuple(bias.shape) != (n_out,):
+        raise ValueError(f"bias must have shape ({n_out},) (out_features), got {tuple(bias.shape)}")
+    if bias.dtype != dtype:
+        raise TypeError(f"bias has dtype {bias.dtype} but values have {dtype}")
+
+
 def check_device(device, name: str = "device") -> Optional[torch.device]:
     """`device` (None, a torch.device, a string or an index) as a torch.device; TypeError/ValueError
     naming `name` where it is not one, or is a CUDA device that torch cannot reach."""

@@ -87,7 +87,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from .coo import Topology, check_out_grad, check_topology
+from .coo import Topology, check_bias, check_out_grad, check_topology
 from .jit import njit_cached
 
 __all__ = ["spmm", "spmm_t", "sddmm", "spmm_t_sddmm", "fuses_backward", "supports", "SUPPORTED_DTYPES"]
@@ -1088,12 +1088,7 @@ def _result(out: Optional[torch.Tensor], shape, dtype: torch.dtype, cdtype: torc
 
 
 def _check_bias(bias, n_out: int, dtype: torch.dtype) -> None:
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if tuple(bias.shape) != (n_out,):
-        raise ValueError(f"bias must have shape ({n_out},) (out = topo.shape[0]), got {tuple(bias.shape)}")
-    if bias.dtype != dtype:
-        raise TypeError(f"bias must have x's dtype {dtype}, got {bias.dtype}")
+    check_bias(bias, n_out, dtype)
     if bias.device.type != "cpu":
         raise ValueError(f"bias must be a CPU tensor, got device {bias.device}")
 

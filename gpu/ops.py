@@ -71,7 +71,7 @@ from typing import Optional
 
 import torch
 
-from snack.core.coo import REBUILD, Topology, _byte_range, check_out_grad, check_topology
+from snack.core.coo import REBUILD, Topology, _byte_range, check_bias, check_out_grad, check_topology
 from . import kernels
 from .launch import (BoundLaunch, as_kernel_array, device_properties, launch_mode, build_persistent,
                      zero, clusters_supported, max_active_clusters)
@@ -902,12 +902,7 @@ def _batch_slices(batch: int, width: int):
 
 def _check_bias(bias, n_out: int, dtype, device):
     """bias (n_out,) of `dtype`, the values' dtype."""
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if tuple(bias.shape) != (n_out,):
-        raise ValueError(f"bias must have shape ({n_out},) (out_features), got {tuple(bias.shape)}")
-    if bias.dtype != dtype:
-        raise TypeError(f"bias has dtype {bias.dtype} but values have {dtype}")
+    check_bias(bias, n_out, dtype)
     _check_device("bias", bias, device)
     return bias.contiguous()
 

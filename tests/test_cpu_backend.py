@@ -432,7 +432,7 @@ def test_bad_inputs_spmm(small):
         (lambda: cpu.spmm(x, t, v, bias=[0.0] * 6), TypeError, r"bias must be a torch.Tensor or None, got list"),
         (lambda: cpu.spmm(x, t, v, bias=torch.zeros(5)), ValueError, r"bias must have shape \(6,\).*\(5,\)"),
         (lambda: cpu.spmm(x, t, v, bias=torch.zeros(6, dtype=torch.float64)), TypeError,
-         r"bias must have x's dtype torch.float32, got torch.float64"),
+         r"bias has dtype torch.float64 but values have torch.float32"),
         (lambda: cpu.spmm(x, t, v, bias=torch.zeros(6, device="meta")), ValueError, r"bias must be a CPU tensor"),
     ]
     for fn, exc, match in cases:
