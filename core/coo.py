@@ -52,13 +52,19 @@ def _generator_from(seed, generator) -> torch.Generator:
         return generator
     if seed is None:
         return torch.Generator().manual_seed(_seed_from_torch())
+    return torch.Generator().manual_seed(check_seed(seed))
+
+
+def check_seed(seed) -> int:
+    """`seed` (an int or numpy integer, not a bool) as an int in [-2**63, 2**64), the range
+    torch.Generator.manual_seed takes; TypeError / ValueError naming `seed` otherwise."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     seed = int(seed)  # (torch.Generator.manual_seed refuses numpy integers)
     if not -2**63 <= seed < 2**64:
         raise ValueError(f"seed must fit in 64 bits (torch.Generator.manual_seed takes [-2**63, 2**64)), "
                          f"got {seed}")
-    return torch.Generator().manual_seed(seed)
+    return seed
 
 
 def _check_shape(shape) -> Tuple[int, int]:

@@ -46,6 +46,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from snack.core.coo import check_seed
 from snack.core.topology import sample_distinct
 
 from . import backend
@@ -299,10 +300,8 @@ class DynamicSparseTraining:
             total_steps = self._check_int("total_steps", total_steps)
         if decay not in _DECAYS:
             raise ValueError(f"decay must be one of {_DECAYS}, got {decay!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-        if seed is not None and not -2**63 <= seed < 2**64:
-            raise ValueError(f"seed must fit in 64 bits (torch.Generator.manual_seed), got {seed}")
+        if seed is not None:
+            seed = check_seed(seed)
 
         names = {id(m): n for n, m in model.named_modules()}
         #: (name, layer) of the SparseLinear layers left alone because they are frozen
